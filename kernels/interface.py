@@ -1,0 +1,262 @@
+"""Public entry point of ``sonic_megatron.kernels``: validation, backend choice and the one autograd
+Function shared by all backends (FlashAttention-style: per-backend op modules, glue here).
+
+Weights use Megatron's convention, stacked over the local experts:
+    w1_EGD [E, G, D]  fc1 of each expert as nn.Linear stores it: G = 2F rows ``[gate ; up]`` (gate first)
+                      for gated activations, G = F otherwise. (SonicMoE's kernels want gate/up
+                      interleaved; the ``cute`` backend reads this concatenated layout directly through
+                      QuACK's ``concat_layout`` and never copies the weights per step.)
+    w2_EDF [E, D, F]  fc2 of each expert ([hidden, ffn], nn.Linear layout).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from types import ModuleType
+
+import torch
+
+from . import torch_backend
+from .activations import ACTIVATIONS, is_gated
+from .routing import (
+    INDEX_DTYPES,
+    FlatRouting,
+    Routing,
+    RoutingMetadata,
+    TopKRouting,
+    compute_metadata_torch,
+    flatten_routing,
+)
+
+BACKENDS = ("auto", "torch", "cute")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        warnings.warn(msg, stacklevel=3)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Backend choice
+# ----------------------------------------------------------------------------------------------------------
+
+
+def cute_unavailable_reason(device: torch.device) -> str | None:
+    """Why the ``cute`` backend cannot run on ``device`` (None when it can)."""
+    if device.type != "cuda":
+        return f"the input is on {device.type}, and the cute backend needs a CUDA GPU"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        return f"the GPU is sm_{major}{minor}, and the cute backend supports Hopper (sm_90) only"
+    try:
+        from . import cute  # noqa: F401
+    except ImportError as exc:
+        return (
+            f"the cute backend could not be imported ({exc}); install the extra: pip install 'sonic-megatron[hopper]'"
+        )
+    return None
+
+
+def resolve_backend(backend: str, device: torch.device) -> ModuleType:
+    """The op module of a backend name (``auto`` picks ``cute`` on Hopper, else ``torch`` with a warning)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        env = os.environ.get("SONIC_MEGATRON_BACKEND")
+        if env:
+            return resolve_backend(env, device)
+        reason = cute_unavailable_reason(device)
+        if reason is None:
+            backend = "cute"
+        else:
+            _warn_once(f"sonic_megatron.kernels: backend='auto' uses the torch backend because {reason}.")
+            backend = "torch"
+    if backend == "torch":
+        return torch_backend
+    reason = cute_unavailable_reason(device)
+    if reason is not None:
+        raise RuntimeError(f"backend='cute' cannot run: {reason}")
+    from .cute import ops as cute_ops
+
+    return cute_ops
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation (before any computation)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _fail(arg: str, expected: str, got: object) -> None:
+    raise ValueError(f"moe_experts: {arg} must be {expected}, got {got}")
+
+
+def _check_index_tensor(name: str, t: torch.Tensor, ndim: int) -> None:
+    if t.dtype not in INDEX_DTYPES:
+        _fail(f"{name}.dtype", "int32 or int64", t.dtype)
+    if t.dim() != ndim:
+        _fail(f"{name}", f"{ndim}-D", f"shape {tuple(t.shape)}")
+
+
+def validate_inputs(
+    x_TD: torch.Tensor,
+    routing: Routing,
+    w1_EGD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    activation: str,
+    check_indices: bool | None,
+) -> None:
+    """Raise ValueError naming the argument, the expected and the actual value. Index values are read
+    back to the host only when ``check_indices`` (default: True on CPU, False on GPU, to keep training
+    free of syncs; out-of-range indices then trip PyTorch's device asserts or are undefined in kernels)."""
+    if activation not in ACTIVATIONS:
+        _fail("activation", f"one of {ACTIVATIONS}", repr(activation))
+    if not isinstance(x_TD, torch.Tensor) or x_TD.dim() != 2:
+        _fail("x", "a 2-D tensor [T, D]", getattr(x_TD, "shape", type(x_TD)))
+    if x_TD.dtype not in FLOAT_DTYPES:
+        _fail("x.dtype", f"one of {FLOAT_DTYPES}", x_TD.dtype)
+    T, D = x_TD.shape
+    if D == 0:
+        _fail("x.shape[1] (hidden size D)", "> 0", D)
+    for name, w in (("w1", w1_EGD), ("w2", w2_EDF)):
+        if w.dim() != 3:
+            _fail(name, "a 3-D tensor (experts first)", f"shape {tuple(w.shape)}")
+        if w.dtype != x_TD.dtype:
+            _fail(f"{name}.dtype", f"x.dtype ({x_TD.dtype})", w.dtype)
+        if w.device != x_TD.device:
+            _fail(f"{name}.device", f"x.device ({x_TD.device})", w.device)
+    E, G, D1 = w1_EGD.shape
+    E2, D2, F = w2_EDF.shape
+    if E == 0:
+        _fail("w1.shape[0] (experts E)", ">= 1", E)
+    if E2 != E:
+        _fail("w2.shape[0] (experts)", f"w1.shape[0] = {E}", E2)
+    if D1 != D:
+        _fail("w1.shape[2]", f"x.shape[1] = {D}", D1)
+    if D2 != D:
+        _fail("w2.shape[1]", f"x.shape[1] = {D}", D2)
+    G_expected = 2 * F if is_gated(activation) else F
+    if G_expected != G or F == 0:
+        _fail(
+            "w1.shape[1]",
+            f"{'2 * ' if is_gated(activation) else ''}w2.shape[2] = {G_expected} (> 0) for activation {activation!r}",
+            G,
+        )
+    if isinstance(routing, TopKRouting):
+        s, idx = routing.scores_TK, routing.indices_TK
+        _check_index_tensor("routing.indices_TK", idx, 2)
+        if s.dim() != 2 or tuple(s.shape) != tuple(idx.shape):
+            _fail("routing.scores_TK", f"shape {tuple(idx.shape)} (as indices_TK)", tuple(s.shape))
+        if idx.shape[0] != T:
+            _fail("routing.indices_TK.shape[0]", f"x.shape[0] = {T}", idx.shape[0])
+        K = idx.shape[1]
+        if not 1 <= K <= E:
+            _fail("top-K (routing.indices_TK.shape[1])", f"in [1, E = {E}]", K)
+        expert_idx, token_idx = idx, None
+    elif isinstance(routing, FlatRouting):
+        _check_index_tensor("routing.token_idx_R", routing.token_idx_R, 1)
+        _check_index_tensor("routing.expert_idx_R", routing.expert_idx_R, 1)
+        s = routing.scores_R
+        R = routing.token_idx_R.numel()
+        for name, t in (("routing.expert_idx_R", routing.expert_idx_R), ("routing.scores_R", s)):
+            if t.dim() != 1 or t.numel() != R:
+                _fail(name, f"1-D of length {R} (as token_idx_R)", tuple(t.shape))
+        if routing.num_tokens != T:
+            _fail("routing.num_tokens", f"x.shape[0] = {T}", routing.num_tokens)
+        expert_idx, token_idx = routing.expert_idx_R, routing.token_idx_R
+    else:
+        raise TypeError(f"moe_experts: routing must be TopKRouting or FlatRouting, got {type(routing).__name__}")
+    if not s.is_floating_point():
+        _fail("routing scores dtype", "floating point", s.dtype)
+    for name, t in (("routing scores", s), ("routing expert indices", expert_idx)):
+        if t.device != x_TD.device:
+            _fail(f"{name}.device", f"x.device ({x_TD.device})", t.device)
+    if check_indices is None:
+        check_indices = x_TD.device.type == "cpu"
+    if check_indices and expert_idx.numel():
+        lo, hi = int(expert_idx.min()), int(expert_idx.max())
+        if lo < 0 or hi >= E:
+            _fail("routing expert indices", f"in [0, E = {E})", f"values in [{lo}, {hi}]")
+        if token_idx is not None:
+            lo, hi = int(token_idx.min()), int(token_idx.max())
+            if lo < 0 or hi >= T:
+                _fail("routing.token_idx_R", f"in [0, T = {T})", f"values in [{lo}, {hi}]")
+            if bool((token_idx[1:] < token_idx[:-1]).any()):
+                _fail("routing.token_idx_R", "sorted ascending", "an unsorted tensor")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Autograd
+# ----------------------------------------------------------------------------------------------------------
+
+
+class MoEExpertsFunction(torch.autograd.Function):
+    """Saves exactly X, H, the scores and the int32 metadata (plus the weights, which are parameters).
+    A, Y, gathered X and gathered dO are never saved."""
+
+    @staticmethod
+    def forward(ctx, x_TD, scores_R, w1_EGD, w2_EDF, ops, activation, *meta_tensors):
+        meta = RoutingMetadata(*meta_tensors)
+        store_h = any(ctx.needs_input_grad[:4])  # inference keeps no H
+        o_TD, h_RG = ops.forward(x_TD, scores_R, w1_EGD, w2_EDF, meta, activation, store_h=store_h)
+        ctx.ops, ctx.activation = ops, activation
+        ctx.save_for_backward(x_TD, h_RG, scores_R, w1_EGD, w2_EDF, *meta_tensors)
+        return o_TD
+
+    @staticmethod
+    def backward(ctx, dO_TD):
+        x_TD, h_RG, scores_R, w1_EGD, w2_EDF, *meta_tensors = ctx.saved_tensors
+        meta = RoutingMetadata(*meta_tensors)
+        ops = ctx.ops
+        dO_TD = dO_TD.contiguous()
+        dx_TD, dscores_R, (aprime_RF, dH_RG) = ops.backward_data(
+            dO_TD, x_TD, h_RG, scores_R, w1_EGD, w2_EDF, meta, ctx.activation
+        )
+        dw1 = dw2 = None
+        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+            dw1, dw2 = ops.backward_weights(dO_TD, x_TD, aprime_RF, dH_RG, meta)
+        dscores_R = dscores_R.to(scores_R.dtype) if ctx.needs_input_grad[1] else None
+        dx_TD = dx_TD if ctx.needs_input_grad[0] else None
+        return (dx_TD, dscores_R, dw1, dw2, None, None) + (None,) * len(meta_tensors)
+
+
+def compute_metadata(routing: Routing, num_experts: int) -> tuple[torch.Tensor, RoutingMetadata]:
+    """(flat scores_R with autograd, metadata) for a routing; device-side, no host sync."""
+    token_idx_R, expert_idx_R, scores_R, token_offsets = flatten_routing(routing)
+    return scores_R, compute_metadata_torch(token_idx_R, expert_idx_R, token_offsets, num_experts)
+
+
+def moe_experts(
+    x_TD: torch.Tensor,
+    routing: Routing,
+    w1_EGD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    *,
+    activation: str = "swiglu",
+    backend: str = "auto",
+    check_indices: bool | None = None,
+) -> torch.Tensor:
+    """SonicMoE experts: ``O[t] = sum_{(t, e, s)} s * fc2_e(act(fc1_e(x[t])))``, O [T, D] in x's dtype.
+
+    Args:
+        x_TD: tokens [T, D] (fp16/bf16/fp32/fp64; T may be 0, e.g. an EP rank that received nothing).
+        routing: ``TopKRouting(scores_TK, indices_TK)`` or ``FlatRouting(token_idx_R, expert_idx_R,
+            scores_R, num_tokens)`` (token_idx_R sorted ascending). Scores may be any float dtype; their
+            gradient comes back in that dtype.
+        w1_EGD: fc1 weights [E, G, D], G = 2F ``[gate ; up]`` for gated activations, else F.
+        w2_EDF: fc2 weights [E, D, F].
+        activation: one of ``swiglu`` (default), ``geglu``, ``relu2``, ``gelu``.
+        backend: ``auto`` (``cute`` on Hopper, else ``torch``), ``torch`` or ``cute``. The environment
+            variable SONIC_MEGATRON_BACKEND overrides ``auto``.
+        check_indices: read index values back to validate their range and order (default: on CPU only).
+
+    Gradients reach x, the routing scores, w1 and w2.
+    """
+    validate_inputs(x_TD, routing, w1_EGD, w2_EDF, activation, check_indices)
+    ops = resolve_backend(backend, x_TD.device)
+    scores_R, meta = compute_metadata(routing, w1_EGD.shape[0])
+    return MoEExpertsFunction.apply(x_TD.contiguous(), scores_R, w1_EGD, w2_EDF, ops, activation, *meta.tensors())

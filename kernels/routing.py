@@ -1,0 +1,119 @@
+"""Routing inputs and SonicMoE's routing metadata, computed on the device without a host sync.
+
+Shape legend (torchtitan style, used across ``kernels/``):
+    T  tokens            D  hidden size (d)          F  expert ffn size (n)
+    E  experts           K  experts per token (top-K)
+    R  routed (token, expert) pairs, "rows" (R = T*K for top-K routing)
+
+A routing is either top-K (``TopKRouting``: scores [T, K] and expert indices [T, K]) or flat
+(``FlatRouting``: R triples (token, expert, score) sorted by token, any number of experts per token,
+which token rounding and expert parallelism need). Internally both become flat: pair j of token t lies
+in ``token_offsets[t] : token_offsets[t+1]`` (CSR), and for top-K pair j is the entry t*K + k.
+
+``RoutingMetadata`` holds the int32 arrays every backend uses (SonicMoE paper section 1.2):
+    expert_offsets        [E+1]  exclusive prefix sum of per-expert row counts (cu_seqlens of every
+                                 varlen GEMM): expert e owns expert-sorted rows [off[e], off[e+1])
+    x_gather_idx          [R]    expert-sorted row r reads token row x_gather_idx[r] of X (and of dO)
+    s_scatter_idx         [R]    expert-sorted row r is flat pair s_scatter_idx[r] (index into scores)
+    s_reverse_scatter_idx [R]    inverse: flat pair j is expert-sorted row s_reverse_scatter_idx[j]
+    token_offsets         [T+1]  CSR offsets of each token's flat pairs
+Rows of one expert are ordered by ascending flat pair index, i.e. by token (a stable sort).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class TopKRouting:
+    """Top-K routing: token t uses experts ``indices_TK[t]`` with weights ``scores_TK[t]``."""
+
+    scores_TK: torch.Tensor
+    indices_TK: torch.Tensor
+
+
+@dataclass(frozen=True)
+class FlatRouting:
+    """Flat routing: pair j sends token ``token_idx_R[j]`` to expert ``expert_idx_R[j]`` with weight
+    ``scores_R[j]``. ``token_idx_R`` must be sorted ascending (tokens may have 0..E pairs). ``num_tokens``
+    is T, the row count of x (tokens with no pair get a zero output row)."""
+
+    token_idx_R: torch.Tensor
+    expert_idx_R: torch.Tensor
+    scores_R: torch.Tensor
+    num_tokens: int
+
+
+Routing = TopKRouting | FlatRouting
+
+
+@dataclass(frozen=True)
+class RoutingMetadata:
+    """Int32 routing metadata shared by all backends (see the module docstring)."""
+
+    expert_offsets: torch.Tensor  # [E+1]
+    x_gather_idx: torch.Tensor  # [R]
+    s_scatter_idx: torch.Tensor  # [R]
+    s_reverse_scatter_idx: torch.Tensor  # [R]
+    token_offsets: torch.Tensor  # [T+1]
+
+    @property
+    def num_experts(self) -> int:
+        return self.expert_offsets.numel() - 1
+
+    @property
+    def num_rows(self) -> int:
+        return self.x_gather_idx.numel()
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self.expert_offsets,
+            self.x_gather_idx,
+            self.s_scatter_idx,
+            self.s_reverse_scatter_idx,
+            self.token_offsets,
+        )
+
+
+def flatten_routing(routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token_idx_R, expert_idx_R, scores_R, token_offsets) of a routing; scores keep autograd."""
+    if isinstance(routing, TopKRouting):
+        T, K = routing.indices_TK.shape
+        device = routing.indices_TK.device
+        token_idx_R = torch.arange(T, device=device, dtype=torch.int32).repeat_interleave(K)
+        token_offsets = torch.arange(0, T * K + 1, K, device=device, dtype=torch.int32)
+        return token_idx_R, routing.indices_TK.reshape(-1), routing.scores_TK.reshape(-1), token_offsets
+    token_idx_R = routing.token_idx_R
+    bounds = torch.arange(routing.num_tokens + 1, device=token_idx_R.device, dtype=token_idx_R.dtype)
+    token_offsets = torch.searchsorted(token_idx_R, bounds).to(torch.int32)
+    return token_idx_R, routing.expert_idx_R, routing.scores_R, token_offsets
+
+
+def compute_metadata_torch(
+    token_idx_R: torch.Tensor, expert_idx_R: torch.Tensor, token_offsets: torch.Tensor, num_experts: int
+) -> RoutingMetadata:
+    """Routing metadata with PyTorch ops only; no host sync (R and E are known from shapes)."""
+    device = expert_idx_R.device
+    R = expert_idx_R.numel()
+    # index_add_ instead of bincount: bincount reads max() back to the host on CUDA.
+    counts_E = torch.zeros(num_experts, device=device, dtype=torch.int32)
+    counts_E.index_add_(0, expert_idx_R.long(), torch.ones(R, device=device, dtype=torch.int32))
+    expert_offsets = torch.zeros(num_experts + 1, device=device, dtype=torch.int32)
+    torch.cumsum(counts_E, 0, out=expert_offsets[1:])
+    # Stable sort by expert: inside an expert, rows keep ascending pair (= token) order.
+    s_scatter_idx = torch.sort(expert_idx_R.int(), stable=True).indices.to(torch.int32)
+    x_gather_idx = token_idx_R.to(torch.int32)[s_scatter_idx.long()]
+    s_reverse_scatter_idx = torch.empty(R, device=device, dtype=torch.int32)
+    s_reverse_scatter_idx.scatter_(0, s_scatter_idx.long(), torch.arange(R, device=device, dtype=torch.int32))
+    return RoutingMetadata(
+        expert_offsets=expert_offsets,
+        x_gather_idx=x_gather_idx,
+        s_scatter_idx=s_scatter_idx,
+        s_reverse_scatter_idx=s_reverse_scatter_idx,
+        token_offsets=token_offsets.to(torch.int32),
+    )
