@@ -1,0 +1,1 @@
+"""Benchmarks behind ``python -m sonic_megatron bench <name>``; shared helpers in ``common.py``."""

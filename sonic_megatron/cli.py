@@ -1,0 +1,63 @@
+"""Command line: ``python -m sonic_megatron <command> ...``.
+
+    env                         what this machine can run (backends, versions, GPUs)
+    bench experts|dispatch|layer|train ...   benchmarks: print a table, write JSON (--json PATH)
+
+Each benchmark lives in ``sonic_megatron/bench/<name>.py`` with ``add_arguments(parser)`` and ``run(args)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS = {
+    "experts": "one GPU's experts: ours vs sonic-moe, torch._grouped_mm MoE, cuBLAS bmm bound",
+    "dispatch": "expert-parallel dispatch/combine: bytes on the wire and a2a GB/s vs Megatron's alltoall",
+    "layer": "MoE layer fwd+bwd under EP: ours vs Megatron alltoall + torch._grouped_mm experts",
+    "train": "GPT-MoE training tokens/s/GPU and peak memory: plugin spec vs stock spec",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m sonic_megatron", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    env = sub.add_parser("env", help="print what this machine can run")
+    env.set_defaults(func=_run_env)
+    bench = sub.add_parser("bench", help="benchmarks (table + JSON)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for name, help_text in BENCHMARKS.items():
+        p = bench_sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--json", default=None, help="write the results as JSON to this path")
+        module = _bench_module(name)
+        if module is not None:
+            module.add_arguments(p)
+            p.set_defaults(func=module.run)
+        else:
+            p.set_defaults(func=lambda args, n=name: _missing(n))
+    return parser
+
+
+def _bench_module(name: str):
+    try:
+        return importlib.import_module(f"sonic_megatron.bench.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name == f"sonic_megatron.bench.{name}":
+            return None
+        raise
+
+
+def _missing(name: str) -> int:
+    print(f"benchmark {name!r} is not available in this build")
+    return 2
+
+
+def _run_env(args: argparse.Namespace) -> int:
+    from .env import report
+
+    return report()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
