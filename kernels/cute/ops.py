@@ -1,0 +1,278 @@
+"""Backend ``cute``: SonicMoE's eight experts kernels on Hopper, with ``kernels/torch_backend.py``'s contract.
+
+Shape legend: see ``kernels/routing.py``; G = 2F (gated). The six grouped GEMMs are QuACK 0.4.1 CuTe-DSL
+kernels (SONICMOE.md sections 1-4); aggregation and the dX sum are our Triton ``gather_sum``:
+
+    up    gemm_gated  X rows gathered by x_gather_idx (varlen-M) x W1_e, SwiGLU epilogue stores H and A
+    down  gemm        A x W2_e (varlen-M) -> Y, expert-sorted, contiguous
+    O     gather_sum  O_t = sum_j s_j Y[row(j)], fp32, deterministic
+    dH    gemm_dgated gathered dO x W2_e (varlen-M); epilogue loads H, recomputes A, dH = dSwiGLU(s * dA'),
+                      A' = s * A, dS_row = sum_f A * dA' (colvec_reduce)
+    dW2   gemm        dO^T (gathered along K) x A' (varlen-K)
+    dX~   gemm        dH x W1_e (varlen-M)
+    dX    gather_sum  dX_t = sum_j dX~[row(j)]
+    dW1   gemm        X^T (gathered along K) x dH (varlen-K)
+
+Weights stay in Megatron's layout (w1_EGD [E, 2F, D] with ``[gate ; up]`` rows, w2_EDF [E, D, F]); QuACK's
+``concat_layout`` makes the kernels read (and dW1's epilogue write) the concatenated halves as interleaved
+gate/up pairs, so no weight is ever copied. H and dH live in the interleaved layout [R, (gate_f, up_f)...]
+that the gated epilogues produce; only this backend reads them. No host sync anywhere (varlen GEMMs read
+expert_offsets on the device).
+"""
+
+from __future__ import annotations
+
+import torch
+from quack import gemm_interface as qgemm
+
+from ..activations import GATED_ACTIVATIONS
+from ..routing import RoutingMetadata
+from ..triton import gather_sum
+from .configs import heuristic_config, policy
+
+DTYPES = (torch.bfloat16, torch.float16)
+ALIGN = 8  # elements: QuACK's TMA/cp.async need 16-byte aligned rows (8 x 16-bit)
+MAX_EXPERTS = 65535  # SonicMoE's metadata limit; one varlen batch per expert
+_QUACK_ACT = {"swiglu": "swiglu", "geglu": "geglu"}
+
+
+def _fail(arg: str, expected: str, got: object) -> None:
+    raise ValueError(f"backend 'cute': {arg} must be {expected}, got {got}")
+
+
+def check_supported(x_TD: torch.Tensor, w1_EGD: torch.Tensor, w2_EDF: torch.Tensor, activation: str) -> None:
+    """Raise ValueError for inputs the Hopper kernels cannot take (naming argument, expectation, value)."""
+    if activation not in GATED_ACTIVATIONS:
+        _fail("activation", f"a gated activation {GATED_ACTIVATIONS} (QuACK's fused epilogues)", repr(activation))
+    if x_TD.dtype not in DTYPES:
+        _fail("x.dtype", f"one of {DTYPES}", x_TD.dtype)
+    if not x_TD.is_cuda:
+        _fail("x.device", "a CUDA device", x_TD.device)
+    E, G, D = w1_EGD.shape
+    F = w2_EDF.shape[2]
+    if D % ALIGN:
+        _fail("hidden size D (x.shape[1])", f"a multiple of {ALIGN} (16-byte rows)", D)
+    if F % ALIGN:
+        _fail("expert ffn size F (w2.shape[2])", f"a multiple of {ALIGN} (16-byte rows)", F)
+    if not 1 <= E <= MAX_EXPERTS:
+        _fail("number of experts E (w1.shape[0])", f"in [1, {MAX_EXPERTS}]", E)
+    for name, w in (("w1", w1_EGD), ("w2", w2_EDF)):
+        if not w.is_contiguous():
+            _fail(f"{name}", "contiguous (the kernels read Megatron's layout in place; no per-step copy)", w.stride())
+
+
+def _check_rows(meta: RoutingMetadata) -> None:
+    if meta.num_rows >= 2**31 - 1:
+        _fail("routed pairs R (T*K)", "< 2^31 - 1 (int32 row indices)", meta.num_rows)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# QuACK calls under the tuning policy of configs.py
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _gemm(gemm: str, F: int, A, B, out, *, cu_seqlens_m=None, cu_seqlens_k=None, A_idx=None, concat_layout=None):
+    pol = policy()
+    if pol == "heuristic":
+        qgemm.gemm_tuned.fn(
+            A,
+            B,
+            out,
+            cu_seqlens_m=cu_seqlens_m,
+            cu_seqlens_k=cu_seqlens_k,
+            A_idx=A_idx,
+            dynamic_scheduler=False,
+            config=heuristic_config(gemm, F),
+            concat_layout=concat_layout,
+        )
+    else:
+        qgemm.gemm(
+            A,
+            B,
+            out=out,
+            cu_seqlens_m=cu_seqlens_m,
+            cu_seqlens_k=cu_seqlens_k,
+            A_idx=A_idx,
+            dynamic_scheduler=False,
+            tuned=pol == "autotune",
+            concat_layout=concat_layout,
+        )
+
+
+def _gemm_gated(F: int, A, B, preact_out, postact_out, activation, cu_seqlens_m, A_idx):
+    pol = policy()
+    if pol == "heuristic":
+        qgemm.gemm_gated_tuned.fn(
+            A,
+            B,
+            preact_out,
+            postact_out,
+            activation=activation,
+            cu_seqlens_m=cu_seqlens_m,
+            A_idx=A_idx,
+            dynamic_scheduler=False,
+            config=heuristic_config("up", F),
+            concat_layout=("B",),
+        )
+    else:
+        qgemm.gemm_gated(
+            A,
+            B,
+            preact_out=preact_out,
+            postact_out=postact_out,
+            activation=activation,
+            cu_seqlens_m=cu_seqlens_m,
+            A_idx=A_idx,
+            store_preact=preact_out is not None,
+            dynamic_scheduler=False,
+            tuned=pol == "autotune",
+            concat_layout=("B",),
+        )
+
+
+def _gemm_dgated(F: int, A, B, preact, dx_out, postact_out, colvec_scale, activation, cu_seqlens_m, A_idx):
+    pol = policy()
+    if pol == "heuristic":
+        return qgemm.gemm_dgated_tuned.fn(
+            A,
+            B,
+            preact,
+            dx_out,
+            postact_out,
+            colvec_scale=colvec_scale,
+            activation=activation,
+            colvec_reduce=True,
+            cu_seqlens_m=cu_seqlens_m,
+            A_idx=A_idx,
+            dynamic_scheduler=False,
+            config=heuristic_config("dh", F),
+        )
+    return qgemm.gemm_dgated(
+        A,
+        B,
+        preact,
+        activation=activation,
+        dx_out=dx_out,
+        postact_out=postact_out,
+        colvec_scale=colvec_scale,
+        colvec_reduce=True,
+        cu_seqlens_m=cu_seqlens_m,
+        A_idx=A_idx,
+        dynamic_scheduler=False,
+        tuned=pol == "autotune",
+    )[2]
+
+
+def _pairs_per_token(meta: RoutingMetadata) -> int:
+    T = meta.token_offsets.numel() - 1
+    return max(1, meta.num_rows // max(T, 1))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The backend contract (same signatures and meanings as torch_backend)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def forward(
+    x_TD: torch.Tensor,
+    scores_R: torch.Tensor,
+    w1_EGD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    meta: RoutingMetadata,
+    activation: str,
+    store_h: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(O [T, D], H [R, 2F] gate/up interleaved, or None when ``store_h`` is False)."""
+    check_supported(x_TD, w1_EGD, w2_EDF, activation)
+    _check_rows(meta)
+    T, D = x_TD.shape
+    F = w2_EDF.shape[2]
+    R = meta.num_rows
+    h_RG = torch.empty(R, 2 * F, dtype=x_TD.dtype, device=x_TD.device) if store_h else None
+    if R == 0:
+        return x_TD.new_zeros(T, D), h_RG
+    a_RF = torch.empty(R, F, dtype=x_TD.dtype, device=x_TD.device)
+    # B operands (L, K, N): W1_e^T = w1_EGD[e].T viewed as [D, 2F]; W2_e^T as [F, D]. Views, no copies.
+    _gemm_gated(
+        F, x_TD, w1_EGD.permute(0, 2, 1), h_RG, a_RF, _QUACK_ACT[activation], meta.expert_offsets, meta.x_gather_idx
+    )
+    y_RD = torch.empty(R, D, dtype=x_TD.dtype, device=x_TD.device)
+    _gemm("down", F, a_RF, w2_EDF.permute(0, 2, 1), y_RD, cu_seqlens_m=meta.expert_offsets)
+    del a_RF
+    o_TD = gather_sum(y_RD, meta, scores_R.detach(), pairs_per_token=_pairs_per_token(meta))
+    return o_TD, h_RG
+
+
+def backward_data(
+    dO_TD: torch.Tensor,
+    x_TD: torch.Tensor,
+    h_RG: torch.Tensor,
+    scores_R: torch.Tensor,
+    w1_EGD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    meta: RoutingMetadata,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """(dX [T, D], dScores [R] fp32 in flat pair order, (A' [R, F], dH [R, 2F] interleaved))."""
+    check_supported(x_TD, w1_EGD, w2_EDF, activation)
+    if dO_TD.dtype != x_TD.dtype:
+        _fail("dO.dtype", f"x.dtype ({x_TD.dtype})", dO_TD.dtype)
+    T, D = x_TD.shape
+    F = w2_EDF.shape[2]
+    R = meta.num_rows
+    dev, dt = x_TD.device, x_TD.dtype
+    aprime_RF = torch.empty(R, F, dtype=dt, device=dev)
+    dH_RG = torch.empty(R, 2 * F, dtype=dt, device=dev)
+    if R == 0:
+        return x_TD.new_zeros(T, D), torch.zeros(0, dtype=torch.float32, device=dev), (aprime_RF, dH_RG)
+    s_rows_R = scores_R.detach().to(torch.float32).index_select(0, meta.s_scatter_idx)
+    ds_rows_R = _gemm_dgated(
+        F,
+        dO_TD,
+        w2_EDF,  # B (L, K=D, N=F) = W2_e as stored
+        h_RG,
+        dH_RG,
+        aprime_RF,
+        s_rows_R,
+        _QUACK_ACT[activation],
+        meta.expert_offsets,
+        meta.x_gather_idx,
+    )
+    dscores_R = torch.empty(R, dtype=torch.float32, device=dev)
+    dscores_R.index_copy_(0, meta.s_scatter_idx.long(), ds_rows_R)
+    dxg_RD = torch.empty(R, D, dtype=dt, device=dev)
+    _gemm("dx", F, dH_RG, w1_EGD, dxg_RD, cu_seqlens_m=meta.expert_offsets, concat_layout=("B",))
+    dx_TD = gather_sum(dxg_RD, meta, None, pairs_per_token=_pairs_per_token(meta))
+    return dx_TD, dscores_R, (aprime_RF, dH_RG)
+
+
+def backward_weights(
+    dO_TD: torch.Tensor,
+    x_TD: torch.Tensor,
+    aprime_RF: torch.Tensor,
+    dH_RG: torch.Tensor,
+    meta: RoutingMetadata,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dW1 [E, 2F, D] in ``[gate ; up]`` row order, dW2 [E, D, F]); zeros for experts without rows."""
+    E = meta.num_experts
+    T, D = x_TD.shape
+    F = aprime_RF.shape[1]
+    dev, dt = x_TD.device, x_TD.dtype
+    if meta.num_rows == 0 or T == 0:
+        return torch.zeros(E, 2 * F, D, dtype=dt, device=dev), torch.zeros(E, D, F, dtype=dt, device=dev)
+    dw2_EDF = torch.empty(E, D, F, dtype=dt, device=dev)
+    _gemm("dw2", F, dO_TD.t(), aprime_RF, dw2_EDF, cu_seqlens_k=meta.expert_offsets, A_idx=meta.x_gather_idx)
+    dw1_EGD = torch.empty(E, 2 * F, D, dtype=dt, device=dev)
+    # out (L, M=D, N=2F) is a transposed view of dw1_EGD; "out" in concat_layout writes the interleaved
+    # gate/up columns of dH back as [gate ; up] rows.
+    _gemm(
+        "dw1",
+        F,
+        x_TD.t(),
+        dH_RG,
+        dw1_EGD.permute(0, 2, 1),
+        cu_seqlens_k=meta.expert_offsets,
+        A_idx=meta.x_gather_idx,
+        concat_layout=("out",),
+    )
+    return dw1_EGD, dw2_EDF

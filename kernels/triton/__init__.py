@@ -1,0 +1,15 @@
+"""Own Triton kernels for the memory-bound parts of the ``cute`` backend (SonicMoE section 1.2 and 1.5):
+
+    metadata.py    routing metadata (expert offsets and the three index arrays), device-side, no host sync
+    gather_sum.py  deterministic fp32 gather-and-sum over each token's pairs: the forward aggregation
+                   O_t = sum_j s_j Y[row(j)] and the backward dX_t = sum_j dX~[row(j)]
+
+No atomics: every output element is written by exactly one program, sums run in a fixed order, so two runs
+give bitwise equal results. They run on CPU too under ``TRITON_INTERPRET=1`` (tests/test_triton_interpret.py).
+Importing this package needs ``triton`` (not a dependency of CPU installs).
+"""
+
+from .gather_sum import gather_sum
+from .metadata import compute_metadata_triton
+
+__all__ = ["compute_metadata_triton", "gather_sum"]
