@@ -1,0 +1,137 @@
+"""Our Triton kernels (kernels/triton/) on CPU under TRITON_INTERPRET=1, against the torch backend and float64.
+
+The interpreter flag is read when a kernel is decorated, so it is set before kernels/triton is imported; when
+a GPU is present the same tests run the compiled kernels on it instead. Shapes stay tiny: the interpreter
+runs each program in Python.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from sonic_megatron.kernels.routing import (  # noqa: E402
+    FlatRouting,
+    TopKRouting,
+    compute_metadata_torch,
+    flatten_routing,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _kernels():
+    try:
+        from sonic_megatron.kernels.triton import compute_metadata_triton, gather_sum
+    except Exception as exc:  # pragma: no cover - depends on the triton build
+        pytest.skip(f"triton kernels cannot be imported here: {exc}")
+    return compute_metadata_triton, gather_sum
+
+
+def _topk(T, K, E, gen, experts=None):
+    pool = E if experts is None else experts
+    idx = torch.stack([torch.randperm(pool, generator=gen)[:K] for _ in range(T)]) if T else torch.zeros(0, K)
+    return TopKRouting(torch.rand(T, K, generator=gen), idx.to(torch.int64))
+
+
+def _flat(T, E, gen):
+    """Variable pairs per token (0..E), tokens ascending."""
+    tok, ex = [], []
+    for t in range(T):
+        n = int(torch.randint(0, E + 1, (1,), generator=gen))
+        for e in torch.randperm(E, generator=gen)[:n].tolist():
+            tok.append(t)
+            ex.append(e)
+    R = len(tok)
+    return FlatRouting(
+        torch.tensor(tok, dtype=torch.int32), torch.tensor(ex, dtype=torch.int32), torch.rand(R, generator=gen), T
+    )
+
+
+def _to(routing, device):
+    if isinstance(routing, TopKRouting):
+        return TopKRouting(routing.scores_TK.to(device), routing.indices_TK.to(device))
+    return FlatRouting(
+        routing.token_idx_R.to(device), routing.expert_idx_R.to(device), routing.scores_R.to(device), routing.num_tokens
+    )
+
+
+CASES = {
+    "topk_ragged": lambda g: (_topk(37, 3, 7, g), 7),
+    "empty_experts": lambda g: (_topk(20, 2, 9, g, experts=3), 9),
+    "one_expert": lambda g: (_topk(25, 1, 5, g, experts=1), 5),
+    "no_tokens": lambda g: (_topk(0, 2, 4, g), 4),
+    "flat_variable_k": lambda g: (_flat(23, 5, g), 5),
+    "many_tiles": lambda g: (_topk(300, 2, 3, g), 3),  # > 256 pairs: several tiles with one expert spanning them
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_metadata_matches_torch(case):
+    compute_metadata_triton, _ = _kernels()
+    routing, E = CASES[case](torch.Generator().manual_seed(1))
+    tok, ex, _, off = flatten_routing(_to(routing, DEVICE))
+    got = compute_metadata_triton(tok, ex, off, E)
+    want = compute_metadata_torch(tok, ex, off, E)
+    for name, a, b in zip(
+        ("expert_offsets", "x_gather_idx", "s_scatter_idx", "s_reverse", "tok"),
+        got.tensors(),
+        want.tensors(),
+        strict=True,
+    ):
+        assert a.dtype == torch.int32, name
+        assert torch.equal(a.cpu(), b.cpu()), name
+
+
+@pytest.mark.parametrize("case", ["topk_ragged", "empty_experts", "no_tokens", "flat_variable_k"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_gather_sum_vs_float64(case, dtype, weighted):
+    """Error vs float64 at most 2x the torch backend's (same dtype) error plus an atol scaled to |out|."""
+    _, gather_sum = _kernels()
+    from sonic_megatron.kernels.torch_backend import gather_sum as gather_sum_torch
+
+    gen = torch.Generator().manual_seed(2)
+    routing, E = CASES[case](gen)
+    tok, ex, scores, off = flatten_routing(_to(routing, DEVICE))
+    meta = compute_metadata_torch(tok, ex, off, E)
+    D = 72  # not a power of two: masked D tail
+    rows = torch.randn(meta.num_rows, D, generator=gen).to(DEVICE, dtype)
+    w = scores if weighted else None
+    out = gather_sum(rows, meta, w, pairs_per_token=2)
+    ref = gather_sum_torch(rows.double(), meta, None if w is None else w.double())
+    base = gather_sum_torch(rows, meta, w)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref).abs().max().item() if out.numel() else 0.0
+    base_err = (base.double() - ref).abs().max().item() if out.numel() else 0.0
+    # One rounding of the output to its dtype (unit roundoff x |out|): a tie can flip either way.
+    atol = torch.finfo(dtype).eps / 2 * (ref.abs().max().item() if ref.numel() else 0.0)
+    assert err <= 2 * base_err + atol, (err, base_err)
+
+
+def test_gather_sum_deterministic():
+    _, gather_sum = _kernels()
+    gen = torch.Generator().manual_seed(3)
+    routing, E = CASES["topk_ragged"](gen)
+    tok, ex, scores, off = flatten_routing(_to(routing, DEVICE))
+    meta = compute_metadata_torch(tok, ex, off, E)
+    rows = torch.randn(meta.num_rows, 40, generator=gen).to(DEVICE, torch.bfloat16)
+    a = gather_sum(rows, meta, scores, pairs_per_token=3)
+    b = gather_sum(rows, meta, scores, pairs_per_token=3)
+    assert torch.equal(a, b)
+
+
+def test_gather_sum_rejects_bad_input():
+    _, gather_sum = _kernels()
+    routing, E = CASES["topk_ragged"](torch.Generator().manual_seed(4))
+    tok, ex, scores, off = flatten_routing(_to(routing, DEVICE))
+    meta = compute_metadata_torch(tok, ex, off, E)
+    with pytest.raises(ValueError, match="rows dtype"):
+        gather_sum(torch.zeros(meta.num_rows, 8, dtype=torch.int32, device=DEVICE), meta, None)
+    with pytest.raises(ValueError, match="routed pair count"):
+        gather_sum(torch.randn(meta.num_rows + 1, 8, device=DEVICE), meta, None)
