@@ -1,0 +1,53 @@
+"""Expert-parallel dispatch and combine for SonicMoE's experts (knows torch.distributed, not Megatron).
+
+One call (training or eval)::
+
+    from sonic_megatron.token_dispatch import expert_parallel_experts, TokenRounding
+    out_TD = expert_parallel_experts(x_TD, routing, w1_EGD, w2_EDF, group=ep_group, num_experts=E,
+                                     rounding=TokenRounding("nearest", 128), rounding_scores_TE=probs_TE,
+                                     num_chunks=1, redispatch_x_in_backward=False, wgrad=None)
+
+Step-wise, for Megatron's method split (each step its own autograd node, linked only by tensors)::
+
+    plan = make_plan(routing, num_experts=E, group=ep_group, rounding=..., rounding_scores_TE=...,
+                     x_TD=x_TD)                        # one small all-gather + one host copy (split sizes)
+    x_recv, scores_recv = dispatch(x_TD, plan)         # each token once per destination rank
+    y_recv = local_experts(x_recv, scores_recv, w1, w2, plan, activation=..., backend=..., wgrad=...)
+    out_TD = combine(y_recv, plan)                     # one row per (token, rank) back; fixed-order sum
+
+Refinements of the team contract (all contract names work as specified):
+  * ``make_plan`` also takes ``num_chunks`` and, optionally, ``x_TD``, ``w1_EGD``, ``w2_EDF``,
+    ``activation``: given, they are checked on every rank and compared across ranks in the plan's header
+    exchange (a mismatch raises ``EPInputError`` on all ranks instead of hanging in an all-to-all).
+  * ``expert_parallel_experts(..., return_plan=True)`` also returns the ``EPPlan``.
+  * ``DeferredWeightGrad``: pass as ``wgrad=``; ``wgrad.compute()`` runs the deferred dW GEMMs.
+  * ``round_routing`` (rounding alone; ``group=None`` is the single-process reference) and
+    ``RoundingResult`` are exported for tests and for routers that want the decision.
+  * Bad input raises ``EPInputError`` (a ``ValueError``) on every rank of the group.
+  * ``redispatch_x_in_backward`` applies to ``expert_parallel_experts``; in the step-wise form
+    ``local_experts`` caches the received rows.
+Modules: comm (collectives), validation (header), rounding, plan, exchange (row movement), stepwise,
+layer (pipelined single node), wgrad.
+"""
+
+from .layer import expert_parallel_experts
+from .plan import EPPlan, make_plan
+from .rounding import ROUNDING_MODES, RoundingResult, TokenRounding, round_routing
+from .stepwise import combine, dispatch, local_experts
+from .validation import EPInputError
+from .wgrad import DeferredWeightGrad
+
+__all__ = [
+    "ROUNDING_MODES",
+    "DeferredWeightGrad",
+    "EPInputError",
+    "EPPlan",
+    "RoundingResult",
+    "TokenRounding",
+    "combine",
+    "dispatch",
+    "expert_parallel_experts",
+    "local_experts",
+    "make_plan",
+    "round_routing",
+]

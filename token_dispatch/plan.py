@@ -1,0 +1,296 @@
+"""The dispatch plan: who sends which token rows and pairs where, computed once per layer call.
+
+Shape legend (extends ``kernels/routing.py``):
+    T  tokens of this rank       E  global experts        L  local experts (E / P)     P  EP ranks
+    N  chunks (num_chunks)       R  routed pairs of this rank (after rounding)
+    S  send rows: distinct (token, destination rank) of this rank, ordered (chunk, destination, token)
+    U  received rows of one chunk, ordered (source rank, token)      Q  received pairs of one chunk
+
+A token crosses to a destination rank once, however many of its experts live there (dedup). Its pairs on
+that rank travel as int32 (row within the (chunk, source) segment, local expert) plus the score; the
+receiver turns them into a ``FlatRouting`` over its L local experts whose "tokens" are receive-buffer
+rows, so the local grouped GEMM gathers straight from the receive buffer (no second permutation).
+
+Collectives and host syncs of ``make_plan`` (each one needed to size NCCL buffers):
+  * no rounding: ONE all-gather of [18 + 2NP] int64 (header + per-(chunk, destination) row and pair
+    counts) and ONE host copy of it (split sizes must be host ints for all_to_all_single; the header
+    check rides along); then one all-to-all per chunk of the pairs' int32 metadata (sizes known).
+  * rounding: the header all-gather and its host copy come first (so bad input fails before rounding),
+    then rounding's one candidate all-gather and one host sync (``nonzero``: the rounded pair count),
+    then the counts all-gather and its host copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..kernels.routing import FlatRouting, RoutingMetadata, TopKRouting, compute_metadata_torch, flatten_routing
+from . import validation as V
+from .comm import Pending, all_gather, all_to_all, group_fingerprint, group_rank, group_size
+from .rounding import RoundingResult, TokenRounding, round_routing
+
+
+@dataclass
+class EPPlan:
+    """Everything dispatch, local_experts and combine need; built by ``make_plan``. Fields:
+
+    group, rank, world_size (P), num_experts (E), num_local_experts (L), num_chunks (N), num_tokens (T).
+    token_idx_R, expert_idx_R, scores_R: the routing actually used (after rounding; scores with autograd).
+    send_token_idx_S: source token of every send row.  send_pair_idx: flat pair index of every sent pair,
+    in send order.  combine_order_S / combine_offsets: send rows grouped by token in destination order
+    (the fixed summation order of combine).  send_rows / send_pairs / recv_rows / recv_pairs: host
+    [N][P] split sizes.  recv_meta: per chunk, RoutingMetadata over the L local experts of the received
+    pairs (rows index that chunk's receive buffer).  rounding: the RoundingResult when rounding was applied.
+    """
+
+    group: object
+    rank: int
+    world_size: int
+    num_experts: int
+    num_local_experts: int
+    num_chunks: int
+    num_tokens: int
+    token_idx_R: torch.Tensor
+    expert_idx_R: torch.Tensor
+    scores_R: torch.Tensor
+    send_token_idx_S: torch.Tensor
+    send_pair_idx: torch.Tensor
+    combine_order_S: torch.Tensor
+    combine_offsets: torch.Tensor
+    send_rows: list[list[int]]
+    send_pairs: list[list[int]]
+    recv_rows: list[list[int]]
+    recv_pairs: list[list[int]]
+    recv_meta: list[RoutingMetadata]
+    rounding: RoundingResult | None = None
+    _offsets: dict = field(default_factory=dict, repr=False)
+
+    # --- host-side offsets of each chunk inside the send / receive buffers ------------------------------
+    def _cum(self, name: str) -> list[int]:
+        if name not in self._offsets:
+            out = [0]
+            for per_rank in getattr(self, name):
+                out.append(out[-1] + sum(per_rank))
+            self._offsets[name] = out
+        return self._offsets[name]
+
+    def send_row_range(self, c: int) -> tuple[int, int]:
+        o = self._cum("send_rows")
+        return o[c], o[c + 1]
+
+    def recv_row_range(self, c: int) -> tuple[int, int]:
+        o = self._cum("recv_rows")
+        return o[c], o[c + 1]
+
+    def send_pair_range(self, c: int) -> tuple[int, int]:
+        o = self._cum("send_pairs")
+        return o[c], o[c + 1]
+
+    def recv_pair_range(self, c: int) -> tuple[int, int]:
+        o = self._cum("recv_pairs")
+        return o[c], o[c + 1]
+
+    @property
+    def num_send_rows(self) -> int:
+        return self._cum("send_rows")[-1]
+
+    @property
+    def num_recv_rows(self) -> int:
+        return self._cum("recv_rows")[-1]
+
+    @property
+    def num_recv_pairs(self) -> int:
+        return self._cum("recv_pairs")[-1]
+
+    def wire_rows(self) -> tuple[int, int]:
+        """(rows sent to other ranks, pairs sent to other ranks) by this rank: the dedup's byte count."""
+        rows = sum(r for per in self.send_rows for p, r in enumerate(per) if p != self.rank)
+        pairs = sum(r for per in self.send_pairs for p, r in enumerate(per) if p != self.rank)
+        return rows, pairs
+
+
+def _flat(routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tok, exp, scores, _ = flatten_routing(routing)
+    return tok.long(), exp.long(), scores
+
+
+def _send_layout(tok_R, exp_R, T, L, P, N):
+    """Device-side send layout: (pair order, sorted segment ids, sorted tokens, send row of each sorted pair,
+    per-segment row counts [N*P], per-segment pair counts [N*P]). No host sync."""
+    device = tok_R.device
+    R = tok_R.numel()
+    dest_R = torch.div(exp_R, L, rounding_mode="floor").clamp(0, P - 1)  # clamped: bad indices fail later
+    chunk_R = torch.div(tok_R.clamp(min=0) * N, max(T, 1), rounding_mode="floor").clamp(0, N - 1)
+    seg_R = chunk_R * P + dest_R
+    # Pairs arrive sorted by token; a stable sort by segment keeps tokens ascending inside a segment.
+    order = torch.sort(seg_R, stable=True).indices
+    seg_s, tok_s = seg_R[order], tok_R[order]
+    key = seg_s * (T + 1) + tok_s
+    is_new = torch.ones(R, dtype=torch.bool, device=device)
+    if R > 1:
+        is_new[1:] = key[1:] != key[:-1]
+    row_of_pair = torch.cumsum(is_new.long(), 0) - 1
+    rows_NP = torch.zeros(N * P, dtype=torch.int64, device=device).index_add_(0, seg_s, is_new.long())
+    pairs_NP = torch.zeros(N * P, dtype=torch.int64, device=device).index_add_(
+        0, seg_s, torch.ones(R, dtype=torch.int64, device=device)
+    )
+    return order, seg_s, tok_s, dest_R[order], row_of_pair, rows_NP, pairs_NP
+
+
+def make_plan(
+    routing: TopKRouting | FlatRouting,
+    *,
+    num_experts: int,
+    group=None,
+    rounding: TokenRounding | None = None,
+    rounding_scores_TE: torch.Tensor | None = None,
+    num_chunks: int = 1,
+    x_TD: torch.Tensor | None = None,
+    w1_EGD: torch.Tensor | None = None,
+    w2_EDF: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> EPPlan:
+    """Plan one MoE layer call under expert parallelism (see the module docstring for its collectives).
+
+    Args:
+        routing: this rank's ``TopKRouting`` / ``FlatRouting`` over GLOBAL expert ids [0, E).
+        num_experts: E; must be a multiple of the group size P. Rank r owns experts [r*E/P, (r+1)*E/P).
+        group: the EP process group; ``None`` or size 1 means no communication.
+        rounding: tile-aware token rounding (training only; ``None`` = plain routing).
+        rounding_scores_TE: dense router probabilities [T, E]; required with ``rounding``.
+        num_chunks: split this rank's tokens into N contiguous chunks, each with its own all-to-alls.
+        x_TD, w1_EGD, w2_EDF, activation: optional; when given, their shapes and dtypes are validated and
+            compared across ranks in the same header exchange (recommended: a mismatch then raises on all
+            ranks instead of failing or hanging inside an all-to-all).
+    """
+    P, rank = group_size(group), group_rank(group)
+    T = V.routing_num_tokens(routing)
+    error = None
+    try:
+        V.check_local(
+            routing,
+            num_experts=num_experts,
+            group_size=P,
+            rounding=rounding,
+            rounding_scores_TE=rounding_scores_TE,
+            num_chunks=num_chunks,
+            x_TD=x_TD,
+            w1_EGD=w1_EGD,
+            w2_EDF=w2_EDF,
+            activation=activation,
+        )
+    except (V.EPInputError, TypeError) as exc:
+        error = str(exc)
+    device = (routing.indices_TK if isinstance(routing, TopKRouting) else routing.token_idx_R).device
+    N = num_chunks if error is None else 1
+    L = max(num_experts // P, 1) if error is None else 1
+    stats = None
+    if error is None:
+        tok_R, exp_R, scores_R = _flat(routing)
+        stats = V.index_stats(tok_R, exp_R, T, isinstance(routing, FlatRouting))
+    hdr = V.header(
+        error=error is not None,
+        num_tokens=T,
+        x_TD=x_TD,
+        num_experts=num_experts,
+        group_size=P,
+        fingerprint=group_fingerprint(group),
+        rounding=rounding,
+        num_chunks=num_chunks,
+        w1_EGD=w1_EGD,
+        w2_EDF=w2_EDF,
+        activation=activation,
+        top_k=routing.indices_TK.shape[-1] if isinstance(routing, TopKRouting) else -1,
+        index_stats=stats,
+        device=device,
+    )
+    rounded = None
+    if rounding is not None:
+        # Header first: rounding's own collective must not run on bad input.
+        V.check_headers(all_gather(hdr, group).tolist(), error, group, num_experts)  # host sync (header)
+        rounded = round_routing(
+            tok_R, exp_R, scores_R, rounding_scores_TE, num_experts=num_experts, rounding=rounding, group=group
+        )
+        tok_R, exp_R, scores_R = rounded.token_idx_R, rounded.expert_idx_R, rounded.scores_R
+    if error is None:
+        order, seg_s, tok_s, dest_s, row_of_pair, rows_NP, pairs_NP = _send_layout(tok_R, exp_R, T, L, P, N)
+        counts = torch.cat([rows_NP, pairs_NP])
+    else:
+        counts = torch.zeros(2 * N * P, dtype=torch.int64, device=device)
+    if rounding is None:
+        # The one host sync of the plan: split sizes (and the header check riding along).
+        gathered = all_gather(torch.cat([hdr, counts]), group).tolist()
+        V.check_headers([g[: V.HEADER_LEN] for g in gathered], error, group, num_experts)
+        counts_P = [g[V.HEADER_LEN :] for g in gathered]
+    else:
+        counts_P = all_gather(counts, group).tolist()  # host sync: split sizes after rounding
+
+    # Host split sizes [N][P].
+    def split(src: int, c: int, pairs: bool) -> list[int]:
+        base = N * P if pairs else 0
+        return counts_P[src][base + c * P : base + (c + 1) * P]
+
+    send_rows = [split(rank, c, False) for c in range(N)]
+    send_pairs = [split(rank, c, True) for c in range(N)]
+    recv_rows = [[split(src, c, False)[rank] for src in range(P)] for c in range(N)]
+    recv_pairs = [[split(src, c, True)[rank] for src in range(P)] for c in range(N)]
+
+    S = sum(map(sum, send_rows))
+    send_token_idx_S = torch.empty(S, dtype=torch.int64, device=device)
+    send_token_idx_S.scatter_(0, row_of_pair, tok_s)  # duplicates of a row write the same token
+    seg_row_start = torch.cumsum(rows_NP, 0) - rows_NP
+    row_in_seg = row_of_pair - seg_row_start[seg_s]
+    local_exp = exp_R[order] - dest_s * L
+    pair_meta_R2 = torch.stack([row_in_seg, local_exp], dim=1).to(torch.int32)
+
+    combine_order_S = torch.sort(send_token_idx_S, stable=True).indices
+    combine_offsets = torch.searchsorted(
+        send_token_idx_S[combine_order_S], torch.arange(T + 1, device=device, dtype=torch.int64)
+    )
+
+    plan = EPPlan(
+        group=group,
+        rank=rank,
+        world_size=P,
+        num_experts=num_experts,
+        num_local_experts=L,
+        num_chunks=N,
+        num_tokens=T,
+        token_idx_R=tok_R,
+        expert_idx_R=exp_R,
+        scores_R=scores_R,
+        send_token_idx_S=send_token_idx_S,
+        send_pair_idx=order,
+        combine_order_S=combine_order_S,
+        combine_offsets=combine_offsets,
+        send_rows=send_rows,
+        send_pairs=send_pairs,
+        recv_rows=recv_rows,
+        recv_pairs=recv_pairs,
+        recv_meta=[],
+        rounding=rounded,
+    )
+    # Pair metadata: one all-to-all per chunk (sizes known; no sync).
+    recv_meta_Q2 = torch.empty(plan.num_recv_pairs, 2, dtype=torch.int32, device=device)
+    pending = Pending()
+    for c in range(N):
+        s0, s1 = plan.send_pair_range(c)
+        r0, r1 = plan.recv_pair_range(c)
+        pending.add(
+            all_to_all(recv_meta_Q2[r0:r1], pair_meta_R2[s0:s1], recv_pairs[c], send_pairs[c], group, async_op=True)
+        )
+    pending.wait()
+    for c in range(N):
+        r0, r1 = plan.recv_pair_range(c)
+        Q = r1 - r0
+        U = sum(recv_rows[c])
+        src_Q = torch.repeat_interleave(
+            torch.arange(P, device=device), torch.tensor(recv_pairs[c], device=device), output_size=Q
+        )
+        row_off_P = torch.tensor([0] + recv_rows[c][:-1], device=device, dtype=torch.int64).cumsum(0)
+        row_Q = recv_meta_Q2[r0:r1, 0].long() + row_off_P[src_Q]
+        token_offsets = torch.searchsorted(row_Q, torch.arange(U + 1, device=device, dtype=torch.int64))
+        plan.recv_meta.append(compute_metadata_torch(row_Q.int(), recv_meta_Q2[r0:r1, 1], token_offsets.int(), L))
+    return plan

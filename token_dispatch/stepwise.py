@@ -1,0 +1,174 @@
+"""Step-wise form for Megatron's method split: ``dispatch`` -> ``local_experts`` -> ``combine``, each its own
+autograd node linked only through tensors. Shape legend: see ``plan.py``; buffers of all chunks are
+concatenated (chunk-major), so the step-wise form runs every chunk's all-to-all at once (no pipelining:
+that is ``expert_parallel_experts``' job). Weight gradients of ``local_experts`` run right after dX is
+computed; ``wgrad=`` defers them to ``DeferredWeightGrad.compute()``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.interface import resolve_backend
+from ..kernels.routing import RoutingMetadata
+from . import exchange as X
+from .comm import Pending
+from .plan import EPPlan
+from .wgrad import DeferredWeightGrad
+
+
+def _all_rows(plan: EPPlan, send_SD: torch.Tensor) -> torch.Tensor:
+    recv_UD = send_SD.new_empty(plan.num_recv_rows, send_SD.shape[1])
+    pending = Pending()
+    for c in range(plan.num_chunks):
+        X.rows_to_experts(plan, send_SD, X.recv_rows(plan, recv_UD, c), c, pending)
+    pending.wait()
+    return recv_UD
+
+
+def _all_rows_back(plan: EPPlan, recv_UD: torch.Tensor) -> torch.Tensor:
+    send_SD = recv_UD.new_empty(plan.num_send_rows, recv_UD.shape[1])
+    pending = Pending()
+    for c in range(plan.num_chunks):
+        X.rows_to_sources(plan, X.recv_rows(plan, recv_UD, c), send_SD, c, pending)
+    pending.wait()
+    return send_SD
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, scores_R, plan):
+        ctx.plan, ctx.scores_like = plan, (scores_R.shape, scores_R.dtype, scores_R.device)
+        recv_UD = _all_rows(plan, X.gather_send_rows(plan, x_TD.contiguous()))
+        send_s = X.send_pair_scores(plan, scores_R.detach())
+        recv_s = send_s.new_empty(plan.num_recv_pairs)
+        pending = Pending()
+        for c in range(plan.num_chunks):
+            X.pairs_to_experts(plan, send_s, X.recv_pairs(plan, recv_s, c), c, pending)
+        pending.wait()
+        return recv_UD, recv_s
+
+    @staticmethod
+    def backward(ctx, dx_recv, ds_recv):
+        plan = ctx.plan
+        shape, dtype, device = ctx.scores_like
+        dx_TD = ds_R = None
+        if ctx.needs_input_grad[0]:
+            dx_TD = X.sum_rows_per_token(plan, _all_rows_back(plan, dx_recv.contiguous()))
+        if ctx.needs_input_grad[1]:
+            ds_recv = ds_recv.contiguous()
+            ds_send = ds_recv.new_empty(sum(map(sum, plan.send_pairs)))
+            pending = Pending()
+            for c in range(plan.num_chunks):
+                X.pairs_to_sources(plan, X.recv_pairs(plan, ds_recv, c), ds_send, c, pending)
+            pending.wait()
+            ds_R = X.scatter_pair_grads(plan, ds_send, torch.empty(shape, dtype=dtype, device=device))
+        return dx_TD, ds_R, None
+
+
+class _LocalExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_UD, s_Q, w1, w2, plan, ops, activation, wgrad):
+        store_h = any(ctx.needs_input_grad[:4])
+        ys, hs = [], []
+        for c in range(plan.num_chunks):
+            o, h = ops.forward(
+                X.recv_rows(plan, x_UD, c), X.recv_pairs(plan, s_Q, c), w1, w2, plan.recv_meta[c], activation, store_h
+            )
+            ys.append(o)
+            hs.append(h)
+        ctx.plan, ctx.ops, ctx.activation, ctx.wgrad, ctx.hs = plan, ops, activation, wgrad, hs
+        # Cached: the received (deduplicated) token rows, H per chunk, scores; never per-pair copies.
+        ctx.save_for_backward(x_UD, s_Q, w1, w2)
+        return torch.cat(ys) if len(ys) > 1 else ys[0]
+
+    @staticmethod
+    def backward(ctx, dy_UD):
+        x_UD, s_Q, w1, w2 = ctx.saved_tensors
+        plan, ops = ctx.plan, ctx.ops
+        dy_UD = dy_UD.contiguous()
+        dxs, dss = [], []
+        want_w = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
+        dw1 = dw2 = None
+        for c in range(plan.num_chunks):
+            dO, x, meta = X.recv_rows(plan, dy_UD, c), X.recv_rows(plan, x_UD, c), plan.recv_meta[c]
+            dx, ds, (ap, dH) = ops.backward_data(
+                dO, x, ctx.hs[c], X.recv_pairs(plan, s_Q, c), w1, w2, meta, ctx.activation
+            )
+            dxs.append(dx)
+            dss.append(ds)
+            if want_w:
+                dw1, dw2 = _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, ctx.wgrad, dw1, dw2)
+        ctx.hs = None
+        dx_UD = torch.cat(dxs) if len(dxs) > 1 else dxs[0]
+        ds_Q = (torch.cat(dss) if len(dss) > 1 else dss[0]).to(s_Q.dtype)
+        return dx_UD, ds_Q, dw1, dw2, None, None, None, None
+
+
+def _weight_grads(ops, dO, x, ap, dH, meta: RoutingMetadata, w1, w2, wgrad: DeferredWeightGrad | None, dw1, dw2):
+    """Run (or defer) one chunk's dW GEMMs and add them to the running (dw1, dw2)."""
+    if wgrad is not None:
+        wgrad.record(lambda: ops.backward_weights(dO, x, ap, dH, meta), w1, w2)
+        return None, None
+    g1, g2 = ops.backward_weights(dO, x, ap, dH, meta)
+    if dw1 is None:
+        return g1, g2
+    return dw1.add_(g1), dw2.add_(g2)
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_UD, plan):
+        ctx.plan = plan
+        return X.sum_rows_per_token(plan, _all_rows_back(plan, y_UD.contiguous()))
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        plan = ctx.plan
+        return _all_rows(plan, X.gather_send_rows(plan, grad_TD.contiguous())), None
+
+
+def dispatch(x_TD: torch.Tensor, plan: EPPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send each token once to every rank that holds one of its experts, with its pairs' scores.
+
+    Returns (x_recv [U, D] rows ordered (chunk, source rank, token), scores_recv [Q] per received pair).
+    Gradients return to ``x_TD`` and to ``plan.scores_R`` (hence to the routing scores)."""
+    if x_TD.dim() != 2 or x_TD.shape[0] != plan.num_tokens:
+        raise ValueError(f"dispatch: x must be [T = {plan.num_tokens}, D] (the plan's tokens), got {tuple(x_TD.shape)}")
+    return _Dispatch.apply(x_TD, plan.scores_R, plan)
+
+
+def local_experts(
+    x_recv: torch.Tensor,
+    scores_recv: torch.Tensor,
+    w1_EGD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    plan: EPPlan,
+    *,
+    activation: str = "swiglu",
+    backend: str = "auto",
+    wgrad: DeferredWeightGrad | None = None,
+) -> torch.Tensor:
+    """This rank's L experts on the received rows: y_recv [U, D], row u = sum over its local pairs of
+    score * expert(x_recv[u]) (pre-reduced per received token, ready for ``combine``).
+
+    Args:
+        activation, backend: as ``sonic_megatron.kernels.moe_experts``.
+        wgrad: defer the weight-gradient GEMMs to ``wgrad.compute()`` (Megatron's backward_dw).
+    """
+    if tuple(x_recv.shape[:1]) != (plan.num_recv_rows,) or tuple(scores_recv.shape) != (plan.num_recv_pairs,):
+        raise ValueError(
+            f"local_experts: x_recv must have {plan.num_recv_rows} rows and scores_recv {plan.num_recv_pairs} "
+            f"entries (the plan's), got {tuple(x_recv.shape)} and {tuple(scores_recv.shape)}"
+        )
+    if w1_EGD.shape[0] != plan.num_local_experts:
+        raise ValueError(f"local_experts: w1.shape[0] must be {plan.num_local_experts}, got {w1_EGD.shape[0]}")
+    ops = resolve_backend(backend, x_recv.device)
+    return _LocalExperts.apply(x_recv, scores_recv, w1_EGD, w2_EDF, plan, ops, activation, wgrad)
+
+
+def combine(y_recv: torch.Tensor, plan: EPPlan) -> torch.Tensor:
+    """Send each received row's result back to its source and sum per token in a fixed order: [T, D]."""
+    if y_recv.dim() != 2 or y_recv.shape[0] != plan.num_recv_rows:
+        raise ValueError(f"combine: y_recv must be [{plan.num_recv_rows}, D], got {tuple(y_recv.shape)}")
+    return _Combine.apply(y_recv, plan)

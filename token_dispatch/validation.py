@@ -1,0 +1,244 @@
+"""Input checks that give the same clear error on every rank of the EP group, without hangs.
+
+Each rank first checks its own inputs (shapes, dtypes, E % P, weights), catching the error instead of
+raising it, and writes a fixed-size int64 header (below). The plan's first collective all-gathers the
+headers (together with the split sizes, so this costs no extra round trip); then every rank compares them
+and, if any rank failed or the ranks disagree, all ranks raise the same ``ValueError``. A rank raising
+alone would leave its peers blocked in the next collective.
+
+Header fields (int64):
+    0 error flag      1 T (tokens)     2 D (hidden, -1 unknown)   3 x dtype code (-1 unknown)
+    4 E (experts)     5 P (group size)  6 group fingerprint        7 rounding mode code
+    8 rounding tile   9 num_chunks     10 min expert index        11 max expert index
+   12 token index problem (1: out of [0, T) or unsorted)           13 local experts of w1 (-1 unknown)
+   14 G (w1 rows)    15 F (w2 cols)    16 activation code          17 K (-1 for flat routing)
+Fields 10-12 are computed on the device and read back in the same host copy as the split sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.activations import ACTIVATIONS, is_gated
+from ..kernels.interface import FLOAT_DTYPES
+from ..kernels.routing import INDEX_DTYPES, FlatRouting, TopKRouting
+from .comm import all_gather_strings
+
+HEADER_LEN = 18
+ROUNDING_CODES = {None: 0, "nearest": 1, "up": 2, "down": 3}
+_DTYPE_CODES = {dt: i for i, dt in enumerate(FLOAT_DTYPES)}
+
+# Fields every rank must agree on: (index, name).
+_SAME_ON_ALL_RANKS = (
+    (2, "x.shape[1] (hidden size D)"),
+    (3, "x.dtype"),
+    (4, "num_experts"),
+    (5, "group size"),
+    (6, "group members"),
+    (7, "rounding mode"),
+    (8, "rounding tile"),
+    (9, "num_chunks"),
+    (13, "local experts (w1.shape[0])"),
+    (14, "w1.shape[1]"),
+    (15, "w2.shape[2]"),
+    (16, "activation"),
+)
+
+
+class EPInputError(ValueError):
+    """Bad input to expert-parallel dispatch (raised on every rank of the group)."""
+
+
+def fail(arg: str, expected: str, got: object) -> None:
+    raise EPInputError(f"{arg} must be {expected}, got {got}")
+
+
+def dtype_code(dtype: torch.dtype | None) -> int:
+    return -1 if dtype is None else _DTYPE_CODES.get(dtype, 99)
+
+
+def routing_num_tokens(routing) -> int:
+    if isinstance(routing, TopKRouting):
+        return routing.indices_TK.shape[0] if routing.indices_TK.dim() == 2 else -1
+    if isinstance(routing, FlatRouting):
+        return int(routing.num_tokens)
+    return -1
+
+
+def check_local(
+    routing,
+    *,
+    num_experts: int,
+    group_size: int,
+    rounding,
+    rounding_scores_TE: torch.Tensor | None,
+    num_chunks: int,
+    x_TD: torch.Tensor | None,
+    w1_EGD: torch.Tensor | None,
+    w2_EDF: torch.Tensor | None,
+    activation: str | None,
+) -> None:
+    """Raise EPInputError naming the argument, the expected and the actual value (this rank only)."""
+    if not isinstance(num_experts, int) or num_experts < 1:
+        fail("num_experts", "a positive int", num_experts)
+    if num_experts % group_size:
+        fail("num_experts", f"a multiple of the EP group size P = {group_size}", num_experts)
+    if not isinstance(num_chunks, int) or num_chunks < 1:
+        fail("num_chunks", "an int >= 1", num_chunks)
+    if isinstance(routing, TopKRouting):
+        s, idx = routing.scores_TK, routing.indices_TK
+        if idx.dtype not in INDEX_DTYPES:
+            fail("routing.indices_TK.dtype", "int32 or int64", idx.dtype)
+        if idx.dim() != 2:
+            fail("routing.indices_TK", "2-D [T, K]", tuple(idx.shape))
+        if tuple(s.shape) != tuple(idx.shape):
+            fail("routing.scores_TK.shape", f"{tuple(idx.shape)} (as indices_TK)", tuple(s.shape))
+        if not 1 <= idx.shape[1] <= num_experts:
+            fail("top-K (routing.indices_TK.shape[1])", f"in [1, num_experts = {num_experts}]", idx.shape[1])
+        device = idx.device
+    elif isinstance(routing, FlatRouting):
+        R = routing.token_idx_R.numel()
+        for name, t in (("routing.token_idx_R", routing.token_idx_R), ("routing.expert_idx_R", routing.expert_idx_R)):
+            if t.dtype not in INDEX_DTYPES:
+                fail(f"{name}.dtype", "int32 or int64", t.dtype)
+        for name, t in (
+            ("routing.token_idx_R", routing.token_idx_R),
+            ("routing.expert_idx_R", routing.expert_idx_R),
+            ("routing.scores_R", routing.scores_R),
+        ):
+            if t.dim() != 1 or t.numel() != R:
+                fail(f"{name}.shape", f"[{R}] (as token_idx_R)", tuple(t.shape))
+        if not isinstance(routing.num_tokens, int) or routing.num_tokens < 0:
+            fail("routing.num_tokens", "an int >= 0", routing.num_tokens)
+        s, device = routing.scores_R, routing.token_idx_R.device
+    else:
+        raise EPInputError(f"routing must be TopKRouting or FlatRouting, got {type(routing).__name__}")
+    if not s.is_floating_point():
+        fail("routing scores dtype", "a floating point dtype", s.dtype)
+    T = routing_num_tokens(routing)
+    if x_TD is not None:
+        if x_TD.dim() != 2:
+            fail("x", "2-D [T, D]", tuple(x_TD.shape))
+        if x_TD.dtype not in FLOAT_DTYPES:
+            fail("x.dtype", f"one of {FLOAT_DTYPES}", x_TD.dtype)
+        if x_TD.shape[0] != T:
+            fail("x.shape[0]", f"the routing's token count {T}", x_TD.shape[0])
+        if x_TD.device != device:
+            fail("x.device", f"the routing's device {device}", x_TD.device)
+    if activation is not None and activation not in ACTIVATIONS:
+        fail("activation", f"one of {ACTIVATIONS}", repr(activation))
+    if w1_EGD is not None or w2_EDF is not None:
+        if w1_EGD is None or w2_EDF is None or w1_EGD.dim() != 3 or w2_EDF.dim() != 3:
+            fail("w1 and w2", "3-D tensors [E/P, G, D] and [E/P, D, F]", "other shapes")
+        E_loc = num_experts // group_size
+        if w1_EGD.shape[0] != E_loc:
+            fail(
+                "w1.shape[0] (local experts)",
+                f"num_experts / P = {num_experts} / {group_size} = {E_loc}",
+                w1_EGD.shape[0],
+            )
+        if w2_EDF.shape[0] != E_loc:
+            fail("w2.shape[0] (local experts)", f"{E_loc}", w2_EDF.shape[0])
+        if x_TD is not None:
+            for name, w in (("w1", w1_EGD), ("w2", w2_EDF)):
+                if w.dtype != x_TD.dtype:
+                    fail(f"{name}.dtype", f"x.dtype ({x_TD.dtype})", w.dtype)
+                if w.device != x_TD.device:
+                    fail(f"{name}.device", f"x.device ({x_TD.device})", w.device)
+            if w1_EGD.shape[2] != x_TD.shape[1]:
+                fail("w1.shape[2]", f"x.shape[1] = {x_TD.shape[1]}", w1_EGD.shape[2])
+            if w2_EDF.shape[1] != x_TD.shape[1]:
+                fail("w2.shape[1]", f"x.shape[1] = {x_TD.shape[1]}", w2_EDF.shape[1])
+        F = w2_EDF.shape[2]
+        G = 2 * F if (activation is not None and is_gated(activation)) else F
+        if w1_EGD.shape[1] != G or F == 0:
+            fail("w1.shape[1]", f"{G} (w2.shape[2] = {F}, activation {activation!r})", w1_EGD.shape[1])
+    if rounding is not None:
+        if rounding_scores_TE is None:
+            fail("rounding_scores_TE", "the dense router probabilities [T, E] when rounding is set", None)
+        if tuple(rounding_scores_TE.shape) != (T, num_experts):
+            fail("rounding_scores_TE.shape", f"[T, E] = {(T, num_experts)}", tuple(rounding_scores_TE.shape))
+        if not rounding_scores_TE.is_floating_point():
+            fail("rounding_scores_TE.dtype", "floating point", rounding_scores_TE.dtype)
+
+
+def header(
+    *,
+    error: bool,
+    num_tokens: int,
+    x_TD: torch.Tensor | None,
+    num_experts: int,
+    group_size: int,
+    fingerprint: int,
+    rounding,
+    num_chunks: int,
+    w1_EGD: torch.Tensor | None,
+    w2_EDF: torch.Tensor | None,
+    activation: str | None,
+    top_k: int,
+    index_stats: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """The int64 header of this rank (fields in the module docstring) on ``device``."""
+    h = torch.full((HEADER_LEN,), -1, dtype=torch.int64, device=device)
+    vals = {
+        0: int(error),
+        1: num_tokens,
+        2: -1 if x_TD is None or x_TD.dim() != 2 else x_TD.shape[1],
+        3: -1 if x_TD is None else dtype_code(x_TD.dtype),
+        4: num_experts if isinstance(num_experts, int) else -1,
+        5: group_size,
+        6: fingerprint,
+        7: ROUNDING_CODES.get(getattr(rounding, "mode", None), 99),
+        8: getattr(rounding, "tile", -1),
+        9: num_chunks if isinstance(num_chunks, int) else -1,
+        13: -1 if w1_EGD is None or w1_EGD.dim() != 3 else w1_EGD.shape[0],
+        14: -1 if w1_EGD is None or w1_EGD.dim() != 3 else w1_EGD.shape[1],
+        15: -1 if w2_EDF is None or w2_EDF.dim() != 3 else w2_EDF.shape[2],
+        16: -1 if activation is None else (ACTIVATIONS.index(activation) if activation in ACTIVATIONS else 99),
+        17: top_k,
+    }
+    h[list(vals)] = torch.tensor(list(vals.values()), dtype=torch.int64, device=device)
+    if index_stats is not None and not error:
+        h[10:13] = index_stats
+    return h
+
+
+def check_headers(headers_PH, local_error: str | None, group, num_experts: int) -> None:
+    """Compare all ranks' headers (a host int list of lists) and raise the same EPInputError on every rank."""
+    P = len(headers_PH)
+    if any(h[0] for h in headers_PH):
+        msgs = all_gather_strings(local_error or "", group)
+        bad = "; ".join(f"rank {r}: {m}" for r, m in enumerate(msgs) if m)
+        raise EPInputError(f"expert-parallel dispatch: bad input on {bad}")
+    problems = []
+    for idx, name in _SAME_ON_ALL_RANKS:
+        vals = [h[idx] for h in headers_PH]
+        known = {v for v in vals if v != -1}
+        if len(known) > 1:
+            problems.append(f"{name} differs between ranks: {vals} (per rank)")
+    for r, h in enumerate(headers_PH):
+        lo, hi = h[10], h[11]
+        if h[12] != -1 and (lo < 0 or hi >= num_experts):  # h[12] == -1: this rank has no pairs
+            problems.append(
+                f"rank {r}: routing expert indices must be in [0, num_experts = {num_experts}), "
+                f"got values in [{lo}, {hi}]"
+            )
+        if h[12] == 1:
+            problems.append(f"rank {r}: routing.token_idx_R must be sorted ascending with values in [0, T = {h[1]})")
+    if problems:
+        raise EPInputError(
+            "expert-parallel dispatch: ranks disagree or bad input: " + "; ".join(problems) + f" (group of {P} ranks)"
+        )
+
+
+def index_stats(token_idx_R: torch.Tensor, expert_idx_R: torch.Tensor, num_tokens: int, flat: bool) -> torch.Tensor:
+    """[min expert, max expert, token problem flag] on the device (no host sync); [-1, -1, -1] for no pairs."""
+    if expert_idx_R.numel() == 0:
+        return torch.full((3,), -1, dtype=torch.int64, device=expert_idx_R.device)
+    e = expert_idx_R.long()
+    bad_tok = torch.zeros((), dtype=torch.int64, device=e.device)
+    if flat:
+        t = token_idx_R.long()
+        bad_tok = ((t.min() < 0) | (t.max() >= num_tokens) | (t[1:] < t[:-1]).any()).long()
+    return torch.stack([e.min(), e.max(), bad_tok])
