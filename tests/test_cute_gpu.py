@@ -1,0 +1,179 @@
+"""Backend ``cute`` on a Hopper GPU: every output and gradient vs a float64 reference.
+
+Rule (DEVELOPERS.md): err(cute) <= 2 * err(torch backend, same dtype, same GPU) + atol, with atol one
+rounding of the output dtype scaled to the reference's magnitude; errors are max-abs over the tensor.
+The caching allocator is filled with NaN before each cute launch (``_poison``), so any output element a
+kernel forgets to write shows up. Inputs are fresh random tensors (never zeros).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sonic_megatron.kernels import FlatRouting, TopKRouting, moe_experts, moe_experts_reference
+from sonic_megatron.kernels.interface import cute_unavailable_reason
+
+pytestmark = pytest.mark.gpu
+
+
+def _require_cute():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    reason = cute_unavailable_reason(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def _poison(nbytes: int = 1 << 30) -> None:
+    """Fill freed blocks of the caching allocator with NaN (large pool and small pool)."""
+    big = torch.full((nbytes // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    small = [torch.full((1 << 18,), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(32)]
+    del big, small
+
+
+def _routing(kind: str, T: int, E: int, K: int, gen: torch.Generator):
+    dev = "cuda"
+    if kind == "flat":  # 0..K pairs per token, tokens ascending, some tokens with none
+        n_T = torch.randint(0, K + 1, (T,), generator=gen)
+        tok = torch.repeat_interleave(torch.arange(T), n_T)
+        ex = torch.rand(T, E, generator=gen).argsort(-1)[:, :K][torch.arange(K)[None, :] < n_T[:, None]]
+        scores = torch.rand(tok.numel(), generator=gen) + 0.1
+        return FlatRouting(tok.int().to(dev), ex.int().to(dev), scores.to(dev), T)
+    if kind == "hot":  # expert 0 in every token, the others from the first half: empty experts too
+        rest = max(K, E // 2)
+        idx = torch.cat([torch.zeros(T, 1), 1 + torch.rand(T, rest - 1, generator=gen).argsort(-1)[:, : K - 1]], 1)
+    elif kind == "single":  # all tokens on one expert
+        idx = torch.full((T, K), E - 1)
+    else:  # uniform distinct experts: ragged counts, not multiples of 128
+        idx = torch.rand(T, E, generator=gen).argsort(-1)[:, :K]
+    scores = torch.softmax(torch.randn(T, K, generator=gen), -1)
+    return TopKRouting(scores.to(dev), idx.long().to(dev))
+
+
+def _leaves(x, routing, w1, w2, dtype):
+    def leaf(t):
+        return t.detach().to(dtype).requires_grad_(True)
+
+    if isinstance(routing, TopKRouting):
+        r = TopKRouting(leaf(routing.scores_TK), routing.indices_TK)
+        s = r.scores_TK
+    else:
+        r = FlatRouting(routing.token_idx_R, routing.expert_idx_R, leaf(routing.scores_R), routing.num_tokens)
+        s = r.scores_R
+    return leaf(x), r, s, leaf(w1), leaf(w2)
+
+
+def _run(backend, x, routing, w1, w2, dO, dtype, activation):
+    xl, r, s, w1l, w2l = _leaves(x, routing, w1, w2, dtype)
+    if backend == "reference":
+        out = moe_experts_reference(xl, r, w1l, w2l, activation)
+    else:
+        if backend == "cute":
+            _poison()
+        out = moe_experts(xl, r, w1l, w2l, activation=activation, backend=backend)
+    if out.requires_grad:
+        out.backward(dO.to(dtype))
+    else:  # the naive reference builds no graph when no expert receives a token: all gradients are zero
+        for t in (xl, s, w1l, w2l):
+            t.grad = torch.zeros_like(t)
+    return {"out": out.detach(), "dx": xl.grad, "dscores": s.grad, "dw1": w1l.grad, "dw2": w2l.grad}
+
+
+def _case(T, D, F, E, K, kind="uniform", dtype=torch.bfloat16, activation="swiglu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=gen).cuda()
+    w1 = (torch.randn(E, 2 * F, D, generator=gen) / D**0.5).cuda()
+    w2 = (torch.randn(E, D, F, generator=gen) / F**0.5).cuda()
+    dO = torch.randn(T, D, generator=gen).cuda()
+    routing = _routing(kind, T, E, K, gen)
+    return x, routing, w1, w2, dO, dtype, activation
+
+
+def _check(args):
+    dtype = args[5]
+    got = _run("cute", *args)
+    ref = _run("reference", *args[:5], torch.float64, args[6])
+    base = _run("torch", *args)
+    for name, r in ref.items():
+        g, b = got[name], base[name]
+        assert g is not None and g.shape == r.shape, name
+        assert torch.isfinite(g.float()).all(), f"{name}: non-finite values (unwritten output?)"
+        if r.numel() == 0:
+            continue
+        err = (g.double() - r).abs().max().item()
+        base_err = (b.double() - r).abs().max().item()
+        atol = torch.finfo(dtype).eps / 2 * r.abs().max().item()
+        assert err <= 2 * base_err + atol, f"{name}: err {err:.3e} > 2 x torch {base_err:.3e} + atol {atol:.1e}"
+
+
+SMALL = {
+    # name: (T, D, F, E, K, kind)
+    "ragged": (333, 256, 128, 8, 2, "uniform"),
+    "hot_and_empty_experts": (517, 512, 256, 16, 4, "hot"),
+    "all_on_one_expert": (300, 256, 128, 4, 1, "single"),
+    "small_F": (129, 128, 64, 4, 2, "uniform"),
+    "flat_variable_k": (211, 256, 128, 6, 3, "flat"),
+    "unaligned_to_64": (97, 136, 72, 5, 2, "uniform"),
+    "rank_receives_nothing": (0, 256, 128, 4, 2, "uniform"),
+    "large_F": (1000, 512, 1024, 8, 2, "uniform"),
+}
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_cute_matches_float64(name):
+    _require_cute()
+    _check(_case(*SMALL[name]))
+
+
+@pytest.mark.parametrize("dtype,activation", [(torch.float16, "swiglu"), (torch.bfloat16, "geglu")])
+def test_cute_dtypes_and_activations(dtype, activation):
+    _require_cute()
+    _check(_case(257, 256, 128, 8, 2, dtype=dtype, activation=activation, seed=1))
+
+
+BENCH = {
+    "fine_grained_7B": (24576, 1536, 256, 128, 8),
+    "olmoe_7B": (32768, 2048, 1024, 64, 8),
+}
+
+
+@pytest.mark.parametrize("name", list(BENCH))
+def test_cute_benchmark_shapes(name):
+    _require_cute()
+    _check(_case(*BENCH[name], seed=2))
+
+
+def test_cute_bitwise_deterministic():
+    _require_cute()
+    args = _case(4096, 512, 256, 32, 4, kind="hot", seed=3)
+    a = _run("cute", *args)
+    b = _run("cute", *args)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_triton_metadata_matches_torch_on_gpu():
+    _require_cute()
+    from sonic_megatron.kernels.routing import compute_metadata_torch, flatten_routing
+    from sonic_megatron.kernels.triton import compute_metadata_triton
+
+    gen = torch.Generator().manual_seed(4)
+    for kind, T, E, K in (("uniform", 32768, 128, 8), ("hot", 5000, 64, 4), ("flat", 3000, 16, 4)):
+        tok, ex, _, off = flatten_routing(_routing(kind, T, E, K, gen))
+        got, want = compute_metadata_triton(tok, ex, off, E), compute_metadata_torch(tok, ex, off, E)
+        for a, b in zip(got.tensors(), want.tensors(), strict=True):
+            assert torch.equal(a, b), kind
+
+
+def test_cute_rejects_unsupported_inputs():
+    _require_cute()
+    x, routing, w1, w2, *_ = _case(64, 256, 128, 4, 2)
+    cases = [
+        ((x, routing, w1, w2), {}, "x.dtype"),  # fp32
+        ((x.bfloat16()[:, :100], routing, w1.bfloat16()[:, :, :100], w2.bfloat16()[:, :100]), {}, "hidden size D"),
+        ((x.bfloat16(), routing, w1.bfloat16()[:, :128].contiguous(), w2.bfloat16()), {"activation": "relu2"}, "gated"),
+        ((x.bfloat16(), routing, w1.bfloat16().transpose(1, 2).contiguous().transpose(1, 2), w2.bfloat16()), {}, "w1"),
+    ]
+    for args, kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            moe_experts(*args, backend="cute", **kw)
