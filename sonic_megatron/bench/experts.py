@@ -1,0 +1,236 @@
+"""``python -m sonic_megatron bench experts``: one GPU's MoE experts, fwd and fwd+bwd, against references.
+
+Providers (all compute the same function from the same weights: a bf16 linear router, softmax over the
+top-K logits, SwiGLU experts, the weighted sum; the router's time is included, its FLOPs are not):
+    ours        torch router + ``moe_experts(..., backend="cute")`` (QuACK GEMMs, our Triton kernels)
+    sonic       sonic-moe 0.1.2 ``moe_TC_softmax_topk_layer`` (its own router/top-K kernels), when importable
+    grouped_mm  torch router + sort + ``torch._grouped_mm`` up/down projections + ``index_add`` (eager PyTorch)
+    bmm         the cuBLAS bound: two perfectly balanced ``torch.bmm`` (E, TK/E rows each) + SwiGLU, no routing
+
+TFLOPS follow SonicMoE's convention: forward 6TKdn, backward 12TKdn (backward time = fwd+bwd - fwd), timed
+with ``triton.testing.do_bench`` (median). ``act_MiB``: memory still allocated after the forward, minus the
+output (inputs and weights existed before): what the autograd graph retains. ``bound_MiB``: the target
+2Td + 4TKn + metadata (20TK + 2TE bytes) + 5 %. ``first_s``: the first fwd+bwd call in this process for the
+config (compilation, autotuning, caches). ``rel_err``: relative L2 error of the output vs ``grouped_mm``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from .common import print_table, write_json
+
+DEFAULT_CONFIGS = ("24576,1536,256,128,8", "32768,2048,1024,64,8", "32768,4096,1024,128,8")
+PROVIDERS = ("ours", "sonic", "grouped_mm", "bmm")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=None,
+        help="T,d,n,E,K (tokens, hidden, expert ffn, experts, top-K); repeatable. "
+        f"Default: the issue's targets {', '.join(DEFAULT_CONFIGS)}",
+    )
+    parser.add_argument(
+        "--providers", default=",".join(PROVIDERS), help=f"comma-separated subset of {','.join(PROVIDERS)}"
+    )
+    parser.add_argument("--warmup", type=int, default=5, help="do_bench warmup (ms)")
+    parser.add_argument("--rep", type=int, default=300, help="do_bench measuring time per measurement (ms)")
+    parser.add_argument(
+        "--tuning",
+        default=None,
+        choices=("heuristic", "autotune", "default"),
+        help="tile policy of the cute backend (sets SONIC_MEGATRON_CUTE_TUNING; default: leave it as is)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed of inputs and weights")
+
+
+def _parse(config: str) -> tuple[int, int, int, int, int]:
+    parts = config.split(",")
+    if len(parts) != 5 or not all(p.strip().isdigit() for p in parts):
+        raise SystemExit(f"--config must be T,d,n,E,K (5 integers), got {config!r}")
+    T, d, n, E, K = (int(p) for p in parts)
+    if not 1 <= K <= E:
+        raise SystemExit(f"--config {config}: K must be in [1, E], got K={K}, E={E}")
+    return T, d, n, E, K
+
+
+def _router(x, wr, K):
+    logits = x @ wr.t()
+    top, idx = logits.topk(K, dim=-1)
+    return torch.softmax(top.float(), dim=-1), idx
+
+
+def _make_providers(names, T, d, n, E, K, seed):
+    """{name: (fn() -> output, grad inputs)} over shared weights; missing dependencies become errors."""
+    from sonic_megatron.kernels import TopKRouting, moe_experts
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dt, dev = torch.bfloat16, "cuda"
+
+    def param(*shape, scale):
+        return (torch.randn(*shape, generator=gen, device=dev) * scale).to(dt).requires_grad_(True)
+
+    x = param(T, d, scale=1.0)
+    wr = param(E, d, scale=d**-0.5)
+    w1 = param(E, 2 * n, d, scale=d**-0.5)  # Megatron [gate ; up]
+    w2 = param(E, d, n, scale=n**-0.5)
+    out = {}
+
+    if "ours" in names:
+
+        def ours():
+            scores, idx = _router(x, wr, K)
+            return moe_experts(x, TopKRouting(scores, idx), w1, w2, backend="cute")
+
+        out["ours"] = (ours, [x, wr, w1, w2])
+
+    if "sonic" in names:
+        try:
+            from sonicmoe import moe_TC_softmax_topk_layer
+            from sonicmoe.enums import ActivationType
+
+            # sonic-moe's native interleaved fc1 rows, copied once from the same weights
+            w1_sonic = w1.detach().view(E, 2, n, d).transpose(1, 2).reshape(E, 2 * n, d).clone().requires_grad_(True)
+            w2_sonic = w2.detach().clone().requires_grad_(True)
+            stream = torch.cuda.current_stream().cuda_stream
+
+            def sonic():
+                o, _, _ = moe_TC_softmax_topk_layer(
+                    x, wr, w1_sonic.permute(1, 2, 0), None, w2_sonic.permute(1, 2, 0), None, K, stream,
+                    ActivationType.SWIGLU, False,
+                )  # fmt: skip
+                return o
+
+            out["sonic"] = (sonic, [x, wr, w1_sonic, w2_sonic])
+        except ImportError as exc:
+            out["sonic"] = exc
+
+    if "grouped_mm" in names:
+
+        def grouped_mm():
+            scores, idx = _router(x, wr, K)
+            flat = idx.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            tok = order // K
+            offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+            h = torch._grouped_mm(x[tok], w1.transpose(1, 2), offs=offs)
+            a = torch.nn.functional.silu(h[:, :n]) * h[:, n:]
+            y = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
+            y = y * scores.reshape(-1)[order].to(dt)[:, None]
+            return torch.zeros_like(x).index_add(0, tok, y)
+
+        out["grouped_mm"] = (grouped_mm, [x, wr, w1, w2])
+
+    if "bmm" in names:
+        xb = param(E, T * K // E, d, scale=1.0)
+        w1b = w1.detach().transpose(1, 2).contiguous().requires_grad_(True)  # (E, d, 2n)
+        w2b = w2.detach().transpose(1, 2).contiguous().requires_grad_(True)  # (E, n, d)
+
+        def bmm():
+            h = torch.bmm(xb, w1b)
+            return torch.bmm(torch.nn.functional.silu(h[..., :n]) * h[..., n:], w2b)
+
+        out["bmm"] = (bmm, [xb, w1b, w2b])
+    return out
+
+
+def _measure(name, fn, inputs, flops_fwd, warmup, rep):
+    from triton.testing import do_bench
+
+    def fwd():
+        return fn()
+
+    def fwd_bwd():
+        o = fn()
+        torch.autograd.grad(o, inputs, grad_outputs=dO[0])
+
+    with torch.no_grad():
+        probe = fn()
+    dO = [torch.randn_like(probe)]
+    del probe
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
+    fwd_ms = do_bench(fwd, warmup=warmup, rep=rep, return_mode="median")
+    fwdbwd_ms = do_bench(fwd_bwd, warmup=warmup, rep=rep, return_mode="median")
+    torch.cuda.synchronize()
+    m0 = torch.cuda.memory_allocated()
+    o = fn()
+    torch.cuda.synchronize()
+    act = torch.cuda.memory_allocated() - m0 - o.numel() * o.element_size()
+    del o
+    bwd_ms = fwdbwd_ms - fwd_ms
+    return {
+        "fwd_ms": fwd_ms,
+        "fwdbwd_ms": fwdbwd_ms,
+        "bwd_ms": bwd_ms,
+        "fwd_TF": flops_fwd / fwd_ms * 1e-9,
+        "bwd_TF": 2 * flops_fwd / bwd_ms * 1e-9 if bwd_ms > 0 else None,
+        "fwdbwd_TF": 3 * flops_fwd / fwdbwd_ms * 1e-9,
+        "act_MiB": act / 2**20,
+        "first_s": first_s,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("bench experts needs a CUDA GPU")
+        return 2
+    if args.tuning:
+        os.environ["SONIC_MEGATRON_CUTE_TUNING"] = args.tuning
+    names = [p.strip() for p in args.providers.split(",") if p.strip()]
+    bad = sorted(set(names) - set(PROVIDERS))
+    if bad:
+        raise SystemExit(f"--providers: unknown {bad}; choose from {PROVIDERS}")
+    if "ours" in names:
+        import sonic_megatron.kernels.cute  # noqa: F401  (sets QuACK's cache env before sonic-moe imports QuACK)
+    rows = []
+    for config in args.config or DEFAULT_CONFIGS:
+        T, d, n, E, K = _parse(config)
+        flops_fwd = 6 * T * K * d * n
+        bound = (2 * T * d + 4 * T * K * n + 20 * T * K + 2 * T * E) * 1.05 / 2**20
+        providers = _make_providers(names, T, d, n, E, K, args.seed)
+        ref_out = None
+        if "grouped_mm" in providers and not isinstance(providers["grouped_mm"], Exception):
+            with torch.no_grad():
+                ref_out = providers["grouped_mm"][0]().float()
+        cfg_rows = []
+        for name in names:
+            row = {"config": config, "provider": name, "bound_MiB": bound}
+            entry = providers[name]
+            if isinstance(entry, Exception):
+                row["error"] = f"{type(entry).__name__}: {entry}"
+            else:
+                fn, inputs = entry
+                try:
+                    row.update(_measure(name, fn, inputs, flops_fwd, args.warmup, args.rep))
+                    if ref_out is not None and name != "bmm":
+                        with torch.no_grad():
+                            o = fn().float()
+                        row["rel_err"] = ((o - ref_out).norm() / ref_out.norm()).item()
+                except Exception as exc:  # keep measuring the others; the error goes to the table/JSON
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            cfg_rows.append(row)
+            torch.cuda.empty_cache()
+        sonic = next((r for r in cfg_rows if r["provider"] == "sonic" and "fwdbwd_TF" in r), None)
+        for r in cfg_rows:
+            if sonic and "fwdbwd_TF" in r:
+                r["vs_sonic"] = r["fwdbwd_TF"] / sonic["fwdbwd_TF"]
+                r["fwd_vs_sonic"] = r["fwd_TF"] / sonic["fwd_TF"]
+        rows.extend(cfg_rows)
+        del providers, ref_out
+        torch.cuda.empty_cache()
+    columns = ["config", "provider", "fwd_ms", "fwd_TF", "bwd_TF", "fwdbwd_ms", "fwdbwd_TF", "vs_sonic"]
+    columns += ["act_MiB", "bound_MiB", "first_s", "rel_err", "error"]
+    print_table(rows, columns)
+    tuning = os.environ.get("SONIC_MEGATRON_CUTE_TUNING", "heuristic")
+    write_json(args.json, {"benchmark": "experts", "dtype": "bfloat16", "cute_tuning": tuning, "rows": rows})
+    return 0
