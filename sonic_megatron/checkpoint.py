@@ -1,0 +1,130 @@
+"""Distributed-checkpoint layout of the stacked Sonic expert weights, identical to Megatron's
+SequentialMLP / TEGroupedMLP keys so that checkpoints move between them and across EP sizes.
+
+Shape legend: E global experts, El = E / EP local experts, F expert ffn size, H hidden size, G = 2F (GLU).
+
+Local parameters (what ``kernels/`` computes with):   weight1 [El, G, H] ([gate ; up]),  weight2 [El, H, F].
+Checkpoint tensors (prefix = the experts module's prefix, e.g. ``decoder.layers.0.mlp.experts.``):
+    ``{prefix}experts.linear_fc1.weight``  global [E, G, H]; axis 0 = expert (EP-sharded, one shard per
+                                            expert); with GLU axis 1 holds two shards: gate (0 of 2), up (1 of 2)
+    ``{prefix}experts.linear_fc2.weight``  global [E, H, F]
+    ``{prefix}experts.linear_fc{1,2}._extra_state``  empty ShardedObjects, global shape (E,), so that a
+                                            SequentialMLP can load a Sonic checkpoint (it asks for them)
+Replica id (0, 0, expert-DP rank), as SequentialMLP. With ``metadata['singleton_local_shards']`` each
+expert gets its own key ``{prefix}experts.{e}.linear_fc1.weight`` (GLU: ``..._w`` / ``..._v``).
+Unlike 0.16's GroupedMLP no transpose is involved (the layouts already agree), so optimizer states are
+interchangeable too when the optimizer keeps them per parameter (``flattened_range`` is not supported).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
+
+
+def stacked_experts_sharded_state_dict(
+    module,
+    prefix: str,
+    sharded_offsets: tuple = (),
+    metadata: dict | None = None,
+) -> dict:
+    """Sharded state dict of a module holding ``weight1``/``weight2`` stacked over its local experts
+    (``module.num_local_experts``, ``module.ep_group``, ``module.dp_group``, ``module.gated``)."""
+    singleton = bool((metadata or {}).get("singleton_local_shards", False))
+    ep_size, ep_rank = module.ep_group.size(), module.ep_group.rank()
+    num_local = module.num_local_experts
+    num_global = num_local * ep_size
+    first = ep_rank * num_local
+    replica_id = (0, 0, module.dp_group.rank())
+    n_pre = len(sharded_offsets)
+
+    def expert_offsets(global_idx: int) -> tuple:
+        if singleton:
+            return tuple(sharded_offsets)
+        return (*sharded_offsets, (n_pre, global_idx, num_global))
+
+    def expert_key(key: str, global_idx: int) -> str:
+        return key.replace(f"{prefix}experts.", f"{prefix}experts.{global_idx}.") if singleton else key
+
+    def make_build_fn(glu: bool):
+        @torch.no_grad()
+        def build(key: str, t: torch.Tensor, rid, flattened_range=None):
+            if flattened_range is not None:
+                raise NotImplementedError(
+                    "SonicExperts checkpoints do not support flattened_range (fully sharded optimizer state); "
+                    "use the dp_reshardable or fully_reshardable distributed-optimizer format"
+                )
+            shards = []
+            for e in range(num_local):
+                g = first + e
+                offs = expert_offsets(g)
+                n_axes = len(offs)
+                k = expert_key(key, g)
+                if glu:
+                    gate, up = torch.chunk(t[e], 2, dim=0)
+                    frag = 1 if singleton else 2
+                    shards.append(
+                        [
+                            ShardedTensor.from_rank_offsets(
+                                f"{k}_w" if singleton else k,
+                                gate,
+                                *offs,
+                                (n_axes, 0, frag),
+                                replica_id=rid,
+                                prepend_axis_num=n_axes,
+                            ),
+                            ShardedTensor.from_rank_offsets(
+                                f"{k}_v" if singleton else k,
+                                up,
+                                *offs,
+                                (n_axes, frag - 1, frag),
+                                replica_id=rid,
+                                prepend_axis_num=n_axes,
+                            ),
+                        ]
+                    )
+                else:
+                    shards.append(
+                        ShardedTensor.from_rank_offsets(k, t[e], *offs, replica_id=rid, prepend_axis_num=n_axes)
+                    )
+            return shards
+
+        return build
+
+    def make_merge_fn(glu: bool):
+        @torch.no_grad()
+        def merge(sub_state_dict):
+            per_expert = [torch.cat(list(s), dim=0) if glu else s for s in sub_state_dict]
+            return torch.stack(per_expert, dim=0)
+
+        return merge
+
+    out = {}
+    for name, mod, glu in (("weight1", "linear_fc1", module.gated), ("weight2", "linear_fc2", False)):
+        param = getattr(module, name)
+        out[f"{prefix}{name}"] = ShardedTensorFactory(
+            f"{prefix}experts.{mod}.weight",
+            param,
+            make_build_fn(glu),
+            make_merge_fn(glu),
+            replica_id,
+        )
+    # Empty extra states where SequentialMLP has its linear layers' ones (it requests them on load).
+    extra_replica = (0, 0, module.dp_group.rank())
+    for e in range(num_local):
+        g = first + e
+        for mod in ("linear_fc1", "linear_fc2"):
+            key = f"{prefix}experts.{g}.{mod}._extra_state" if singleton else f"{prefix}experts.{mod}._extra_state"
+            out[f"{prefix}expert{g}.{mod}._extra_state"] = make_sharded_object_for_checkpoint(
+                None, key, expert_offsets(g), extra_replica
+            )
+    return out
+
+
+def drop_extra_state_keys(module, incompatible_keys) -> None:
+    """load_state_dict post-hook: the fake ``_extra_state`` entries come back as unexpected keys."""
+    for key in list(incompatible_keys.unexpected_keys):
+        if "_extra_state" in key:
+            incompatible_keys.unexpected_keys.remove(key)

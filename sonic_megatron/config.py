@@ -1,0 +1,194 @@
+"""Plugin options (``SonicConfig``) and the validation of Megatron's TransformerConfig against them.
+
+Where options come from, lowest to highest precedence:
+1. the dataclass defaults below;
+2. the ``sonic_config=SonicConfig(...)`` argument of the spec functions in ``sonic_megatron.spec`` (or of
+   ``SonicMoELayer`` itself);
+3. environment variables ``SONIC_MEGATRON_<FIELD>`` (upper-case field name, e.g.
+   ``SONIC_MEGATRON_TOKEN_ROUNDING=up``), read when a layer is built. Environment variables win so that a
+   launch script can switch options of a ``--spec sonic_megatron.spec ...`` run, which cannot pass arguments.
+
+Unsupported Megatron options fail when the layer is built, with a ``ValueError`` naming the option, its value
+and what to use instead (``validate_megatron_config``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+
+import torch.nn.functional as F
+
+DISPATCHERS = ("sonic", "megatron")
+ROUNDING_MODES = ("none", "nearest", "up", "down")
+ENV_PREFIX = "SONIC_MEGATRON_"
+
+
+@dataclass(frozen=True)
+class SonicConfig:
+    """Options of the sonic-megatron MoE layer.
+
+    Attributes:
+        backend: experts backend of ``sonic_megatron.kernels``: ``auto`` (``cute`` on Hopper GPUs, else
+            ``torch``), ``torch`` (plain PyTorch, any device) or ``cute`` (Hopper only; fails elsewhere).
+        dispatcher: ``sonic`` (default): tokens travel through ``sonic_megatron.token_dispatch`` (each token
+            crosses to a rank once however many of its experts live there; token rounding and chunked overlap
+            available). ``megatron``: keep Megatron's dispatcher chosen by ``--moe-token-dispatcher-type``
+            (alltoall, allgather, flex/DeepEP/HybridEP) and use the Sonic kernels for the experts only.
+        token_rounding: tile-aware token rounding of every expert's token count to a multiple of
+            ``rounding_tile`` in training: ``none`` (default; plain top-K, the same function as stock
+            Megatron), ``nearest``, ``up`` or ``down``. Evaluation always uses plain top-K. Needs
+            ``dispatcher='sonic'``.
+        rounding_tile: the multiple used by token rounding (the GEMM M tile; 128 on Hopper).
+        num_chunks: pipeline the dispatch/experts/combine of a layer in this many chunks so that one chunk's
+            all-to-all overlaps another's GEMMs (``dispatcher='sonic'``; 1 = no chunking).
+        redispatch_x_in_backward: cache only this rank's input tokens and dispatch them again in backward
+            instead of keeping the received tokens (saves activation memory, costs one all-to-all).
+    """
+
+    backend: str = "auto"
+    dispatcher: str = "sonic"
+    token_rounding: str = "none"
+    rounding_tile: int = 128
+    num_chunks: int = 1
+    redispatch_x_in_backward: bool = False
+
+    def __post_init__(self) -> None:
+        from .kernels import BACKENDS
+
+        _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("dispatcher", self.dispatcher, DISPATCHERS)
+        _check_choice("token_rounding", self.token_rounding, ROUNDING_MODES)
+        if not isinstance(self.rounding_tile, int) or self.rounding_tile < 1:
+            raise ValueError(f"SonicConfig.rounding_tile must be a positive int, got {self.rounding_tile!r}")
+        if not isinstance(self.num_chunks, int) or self.num_chunks < 1:
+            raise ValueError(f"SonicConfig.num_chunks must be a positive int, got {self.num_chunks!r}")
+        if self.dispatcher == "megatron" and self.token_rounding != "none":
+            raise ValueError(
+                f"SonicConfig.token_rounding={self.token_rounding!r} needs dispatcher='sonic' (got "
+                "dispatcher='megatron'): Megatron's dispatchers cannot carry rounded routings consistently "
+                "(DeepEP re-derives top-K from the probs)"
+            )
+        if self.dispatcher == "megatron" and (self.num_chunks != 1 or self.redispatch_x_in_backward):
+            raise ValueError("SonicConfig.num_chunks > 1 and redispatch_x_in_backward need dispatcher='sonic'")
+
+    @property
+    def rounding_enabled(self) -> bool:
+        return self.token_rounding != "none"
+
+    @classmethod
+    def resolve(cls, base: SonicConfig | None = None, environ: dict[str, str] | None = None) -> SonicConfig:
+        """``base`` (or the defaults) with ``SONIC_MEGATRON_<FIELD>`` environment overrides applied."""
+        base = base if base is not None else cls()
+        environ = os.environ if environ is None else environ
+        changes = {}
+        for f in fields(cls):
+            raw = environ.get(ENV_PREFIX + f.name.upper())
+            if raw is None or raw == "":
+                continue
+            changes[f.name] = _parse(f.name, raw, f.type)
+        return dataclasses.replace(base, **changes) if changes else base
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"SonicConfig.{name} must be one of {choices}, got {value!r}")
+
+
+def _parse(name: str, raw: str, type_name) -> object:
+    type_name = type_name if isinstance(type_name, str) else type_name.__name__
+    if type_name == "bool":
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{ENV_PREFIX}{name.upper()} must be a boolean (1/0/true/false), got {raw!r}")
+    if type_name == "int":
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{ENV_PREFIX}{name.upper()} must be an integer, got {raw!r}") from None
+    return raw
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Megatron TransformerConfig validation
+# ----------------------------------------------------------------------------------------------------------
+
+
+def kernels_activation(config) -> str:
+    """The ``sonic_megatron.kernels`` activation name matching Megatron's ``activation_func`` and
+    ``gated_linear_unit`` (``--swiglu`` = GLU + silu). Raises ValueError for anything else."""
+    from megatron.core.activations import squared_relu
+
+    act = config.activation_func
+    if config.gated_linear_unit:
+        if act is F.silu:
+            return "swiglu"
+        if act is F.gelu:
+            return "geglu"
+        raise ValueError(
+            f"sonic_megatron: gated_linear_unit=True needs activation_func F.silu (--swiglu) or F.gelu, got {act!r}"
+        )
+    if act is squared_relu:
+        return "relu2"
+    if act is F.gelu:
+        return "gelu"
+    raise ValueError(
+        "sonic_megatron: activation_func must be F.silu or F.gelu with gated_linear_unit=True (--swiglu), or "
+        f"squared_relu / F.gelu without it, got {act!r} (gated_linear_unit={config.gated_linear_unit})"
+    )
+
+
+def _reject(option: str, value: object, why: str) -> None:
+    raise ValueError(f"sonic_megatron does not support {option}={value!r}: {why}")
+
+
+def validate_megatron_config(config, sonic: SonicConfig) -> str:
+    """Check that Megatron's config is a combination the plugin computes exactly; return the kernels
+    activation name. Every failure names the Megatron option."""
+    g = lambda name, default=None: getattr(config, name, default)  # noqa: E731 - 0.16/0.19 field sets differ
+    if not g("num_moe_experts"):
+        _reject("num_moe_experts", g("num_moe_experts"), "a MoE layer needs --num-experts")
+    activation = kernels_activation(config)
+    if g("add_bias_linear"):
+        _reject("add_bias_linear", True, "the Sonic experts have no biases; pass --disable-bias-linear")
+    if g("moe_apply_probs_on_input"):
+        _reject("moe_apply_probs_on_input", True, "Sonic applies probs to the activation (SonicMoE's A' = s*A)")
+    etp = g("expert_tensor_parallel_size") or g("tensor_model_parallel_size", 1)
+    if etp != 1:
+        _reject("expert_tensor_parallel_size", etp, "experts must not be tensor-parallel; use expert parallelism")
+    if g("moe_expert_capacity_factor") is not None:
+        _reject("moe_expert_capacity_factor", g("moe_expert_capacity_factor"), "the plugin is dropless")
+    if g("moe_pad_expert_input_to_capacity"):
+        _reject("moe_pad_expert_input_to_capacity", True, "the plugin is dropless (no capacity padding)")
+    if g("moe_router_padding_for_quantization"):
+        _reject("moe_router_padding_for_quantization", True, "for fp8/fp4 only; use token_rounding instead")
+    for flag in ("fp8", "fp4"):
+        if g(flag):
+            _reject(flag, g(flag), "the Sonic kernels compute in bf16/fp16/fp32")
+    if g("moe_latent_size"):
+        _reject("moe_latent_size", g("moe_latent_size"), "MoE latent projections are not implemented")
+    if g("moe_mlp_glu_interleave_size"):
+        _reject("moe_mlp_glu_interleave_size", g("moe_mlp_glu_interleave_size"), "fc1 must be [gate ; up]")
+    if g("glu_linear_offset", 0.0):
+        _reject("glu_linear_offset", g("glu_linear_offset"), "the kernels compute act(gate) * up")
+    if g("activation_func_clamp_value") is not None:
+        _reject("activation_func_clamp_value", g("activation_func_clamp_value"), "not in the Sonic kernels")
+    if g("overlap_dispatch_backward_with_experts_wgrad"):
+        _reject("overlap_dispatch_backward_with_experts_wgrad", True, "needs Transformer Engine experts")
+    scope = g("cuda_graph_scope") or g("cuda_graph_modules") or []
+    scope = [scope] if isinstance(scope, str) else list(scope)
+    if g("cuda_graph_impl", "none") != "none" and any("moe" in str(s) for s in scope):
+        _reject("cuda_graph_scope", scope, "MoE CUDA graphs need a static (drop-and-pad) dispatch")
+    dispatcher_type = g("moe_token_dispatcher_type")
+    if sonic.dispatcher == "sonic" and dispatcher_type != "alltoall":
+        _reject(
+            "moe_token_dispatcher_type",
+            dispatcher_type,
+            "SonicConfig.dispatcher='sonic' replaces Megatron's alltoall dispatcher; pass "
+            "--moe-token-dispatcher-type alltoall (or set SONIC_MEGATRON_DISPATCHER=megatron to keep "
+            f"{dispatcher_type!r} and use the Sonic kernels for the experts only)",
+        )
+    return activation

@@ -1,0 +1,149 @@
+"""``SonicTokenDispatcher``: Megatron's token-dispatcher protocol on top of ``sonic_megatron.token_dispatch``.
+
+Shape legend: S sequence (/TP), B batch, T = S*B tokens of this rank, H hidden, E global experts, K top-K,
+Tr rows received by this rank (one per (source token, this rank), not one per pair).
+
+Megatron's MoELayer calls, in order (each step may be its own node of the 1F1B overlap schedule):
+    dispatch_preprocess(hidden [S,B,H], routing_map [T,E] bool, probs [T,E]) -> (x [T,H], scores [T,K])
+        local: picks each token's K experts from the map (no host sync), builds the plan (token
+        rounding and the small counts exchange happen here when enabled)
+    token_dispatch(x, scores)        -> (x_recv [Tr,H], scores_recv)      all-to-all (EP)
+    dispatch_postprocess(x_recv, scores_recv) -> (x_recv, None, scores_recv)
+    [SonicMoELayer.routed_experts_compute runs the local experts on the plan]
+    combine_preprocess(y_recv) -> y_recv;   token_combine(y_recv) -> out [T,H] (all-to-all back)
+    combine_postprocess(out) -> [S,B,H] (+ overlapped shared-expert output)
+Scores travel as method arguments (never hidden in the plan), so the only autograd links between steps are
+the tensors Megatron passes, as its overlap schedule requires. The plan (int metadata, no autograd) is the
+per-microbatch forward state kept on the dispatcher between the steps of one forward -- as Megatron's
+alltoall dispatcher keeps its splits; backward reads what it needs from autograd contexts only.
+
+Shared-expert overlap (``--moe-shared-expert-overlap``) calls SharedExpertMLP's stream hooks at the same
+points as Megatron 0.16's alltoall dispatcher: its fc1 runs while the dispatch all-to-all is in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+from .config import SonicConfig
+from .kernels import TopKRouting
+
+try:  # engineer D's package; the EP=1 path below works without it
+    from .token_dispatch import TokenRounding, combine, dispatch, make_plan
+except ImportError:  # pragma: no cover - exercised only while token_dispatch is incomplete
+    TokenRounding = combine = dispatch = make_plan = None
+
+
+def token_dispatch_available() -> bool:
+    return make_plan is not None
+
+
+@dataclass
+class LocalPlan:
+    """Plan of the single-rank path (no communication): the top-K expert ids of every token."""
+
+    indices_TK: torch.Tensor
+    num_tokens: int
+
+
+def topk_indices(routing_map_TE: torch.Tensor, k: int) -> torch.Tensor:
+    """The K expert ids of every token, ascending, from Megatron's bool routing map, without a host sync.
+    A row with fewer than K routed experts (padding tokens) gets unrouted ids whose prob is 0."""
+    keys = routing_map_TE.to(torch.int32) * routing_map_TE.shape[1] - torch.arange(
+        routing_map_TE.shape[1], device=routing_map_TE.device, dtype=torch.int32
+    )
+    idx_TK = torch.topk(keys, k, dim=1).indices
+    return torch.sort(idx_TK, dim=1).values
+
+
+class SonicTokenDispatcher(MoETokenDispatcher):
+    """Megatron dispatcher protocol over ``token_dispatch`` (see the module docstring)."""
+
+    def __init__(self, num_local_experts: int, local_expert_indices, config, pg_collection, sonic: SonicConfig):
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = list(local_expert_indices)
+        self.sonic = sonic
+        self.num_experts = config.num_moe_experts
+        self.topk = config.moe_router_topk
+        self.group = self.ep_group if self.ep_size > 1 else None
+        if not token_dispatch_available() and (self.ep_size > 1 or sonic.rounding_enabled):
+            raise RuntimeError(
+                "sonic_megatron: expert_model_parallel_size > 1 and token rounding need "
+                "sonic_megatron.token_dispatch, which failed to import; set SONIC_MEGATRON_DISPATCHER=megatron "
+                "to use Megatron's dispatcher with the Sonic experts"
+            )
+        self.plan = None
+        self.hidden_shape = None
+        self.ep_rank = self.ep_group.rank()
+
+    # -- per-microbatch forward state ---------------------------------------------------------------------
+    def dispatch_preprocess(self, hidden_states, routing_map, probs, dense_probs_TE=None):
+        """Plan the dispatch. ``dense_probs_TE`` (router probabilities, with autograd) enables rounding."""
+        self.hidden_shape = hidden_states.shape
+        x_TH = hidden_states.reshape(-1, self.hidden_shape[-1])
+        if probs.dim() != 2 or routing_map.dim() != 2 or routing_map.dtype != torch.bool:
+            raise ValueError(
+                "SonicTokenDispatcher: probs and routing_map must be 2-D [T, E] (routing_map bool), got "
+                f"{tuple(probs.shape)} {tuple(routing_map.shape)} {routing_map.dtype}"
+            )
+        idx_TK = topk_indices(routing_map, self.topk)
+        scores_TK = probs.gather(1, idx_TK)
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states)
+        if token_dispatch_available():
+            rounding = None
+            if dense_probs_TE is not None:
+                rounding = TokenRounding(mode=self.sonic.token_rounding, tile=self.sonic.rounding_tile)
+            self.plan = make_plan(
+                TopKRouting(scores_TK, idx_TK),
+                num_experts=self.num_experts,
+                group=self.group,
+                rounding=rounding,
+                rounding_scores_TE=dense_probs_TE,
+                num_chunks=self.sonic.num_chunks,
+                x_TD=x_TH,
+            )
+            # The routing actually used (after rounding), with autograd to the router's probs.
+            scores = self.plan.scores_R
+        else:
+            self.plan = LocalPlan(idx_TK, x_TH.shape[0])
+            scores = scores_TK
+        return x_TH, scores
+
+    def token_dispatch(self, hidden_states, probs):
+        if isinstance(self.plan, LocalPlan):
+            return hidden_states, probs
+        # Dispatch the scores Megatron passed in (under the 1F1B overlap schedule: a detached copy of the
+        # plan's scores), so autograd links between schedule nodes are only the tensors passed.
+        return dispatch(hidden_states, dataclasses.replace(self.plan, scores_R=probs))
+
+    def dispatch_postprocess(self, hidden_states, probs):
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc1_forward_and_act(hidden_states)
+        return hidden_states, None, probs
+
+    def combine_preprocess(self, hidden_states):
+        return hidden_states
+
+    def token_combine(self, hidden_states, *args, **kwargs):
+        if isinstance(self.plan, LocalPlan):
+            return hidden_states
+        return combine(hidden_states, self.plan)
+
+    def combine_postprocess(self, hidden_states):
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc2_forward(hidden_states)
+            self.shared_experts.post_forward_comm()
+        output = hidden_states.view(self.hidden_shape)
+        if self.shared_experts is not None:
+            output = output + self.shared_experts.get_output()
+        return output
+
+    def get_expert_zero_copy_buffers(self):
+        """megatron-core 0.19 asks every dispatcher; only NCCL-EP has them."""
+        return None, None

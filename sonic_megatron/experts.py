@@ -1,0 +1,165 @@
+"""``SonicExperts``: Megatron's experts module contract on top of ``sonic_megatron.kernels``.
+
+Shape legend: N dispatched rows, T tokens, H hidden size, F expert ffn size, El local experts, G = 2F (GLU)
+or F. Parameters are stacked as the kernels want them (nn.Linear layout per expert):
+    weight1 [El, G, H]  fc1, GLU rows ``[gate ; up]`` (gate first, Megatron's order)
+    weight2 [El, H, F]  fc2
+
+Two ways in:
+* ``forward(tokens_NH, tokens_per_expert, probs_N, **kwargs) -> (out_NH, None)``: Megatron's contract (rows
+  grouped by local expert, one prob per row, applied to the activation). Used with Megatron's own
+  dispatchers (``SonicConfig.dispatcher='megatron'``), by the stock ``MoELayer`` and by tests.
+* ``compute(x_TD, routing)``: a kernels routing over local expert ids (each token once, its experts'
+  outputs summed); used by ``SonicMoELayer``'s own dispatch path.
+Weight gradients go through ``self.wgrad`` (a ``WeightGradSink``): main_grad fusion when Megatron's DDP
+uses ``gradient_accumulation_fusion``, and deferral to ``backward_dw()`` with ``delay_wgrad_compute``.
+Selective recompute of ``moe_act`` and activation offloading of ``expert_fc1``/``moe_act`` are not needed:
+the Sonic kernels cache only X and H (never the activation or the gathered tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+
+from .checkpoint import drop_extra_state_keys, stacked_experts_sharded_state_dict
+from .config import SonicConfig, kernels_activation
+from .experts_function import sonic_experts
+from .kernels import FlatRouting
+from .kernels.activations import is_gated
+from .kernels.routing import Routing
+from .megatron_compat import default_pg_collection, expert_rng_context
+from .wgrad import WeightGradSink
+
+
+class SonicExperts(MegatronModule):
+    """Stacked local experts computed by the Sonic kernels.
+
+    Args:
+        num_local_experts: experts on this EP rank (El).
+        config: Megatron TransformerConfig (``hidden_size``, ``moe_ffn_hidden_size``, activation, dtypes,
+            ``use_cpu_initialization``, ``perform_initialization``, ``init_method``,
+            ``output_layer_init_method``, ``gradient_accumulation_fusion``, ``delay_wgrad_compute``).
+        submodules: accepted and ignored (Megatron's expert specs pass MLP submodules).
+        pg_collection: process groups (``ep``, ``expt_dp``, ``expt_tp``); Megatron's defaults if None.
+        sonic_config: plugin options (only ``backend`` is used here); env overrides apply.
+        **kwargs: newer Megatron arguments (``name``...) are accepted and ignored.
+    """
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        config,
+        submodules=None,
+        pg_collection=None,
+        sonic_config: SonicConfig | None = None,
+        **kwargs,
+    ):
+        super().__init__(config=config)
+        if pg_collection is None:
+            pg_collection = default_pg_collection()
+        self.sonic_config = SonicConfig.resolve(sonic_config)
+        self.activation = kernels_activation(config)
+        self.gated = is_gated(self.activation)
+        self.num_local_experts = num_local_experts
+        self.ep_group = pg_collection.ep
+        self.dp_group = pg_collection.expt_dp
+        self.tp_group = pg_collection.expt_tp
+        etp = self.tp_group.size() if self.tp_group is not None else 1
+        if etp != 1:
+            raise ValueError(f"SonicExperts: expert tensor parallelism is not supported (expt_tp size {etp})")
+        hidden = config.hidden_size
+        ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size
+        fc1_rows = 2 * ffn if self.gated else ffn
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight1 = torch.nn.Parameter(
+            torch.empty(num_local_experts, fc1_rows, hidden, dtype=config.params_dtype, device=device)
+        )
+        self.weight2 = torch.nn.Parameter(
+            torch.empty(num_local_experts, hidden, ffn, dtype=config.params_dtype, device=device)
+        )
+        if config.perform_initialization:
+            self._init_weights()
+        for p, dim in ((self.weight1, 1), (self.weight2, 2)):
+            # Expert parameters: reduced over the expert-data-parallel group by DDP/optimizer/clipping
+            # (allreduce=False, as PR #6601 does at every EP size); TP attributes as Megatron's expert
+            # linears at expert-TP 1.
+            p.allreduce = False
+            p.tensor_model_parallel = True
+            p.partition_dim = dim
+            p.partition_stride = 1
+        delay = bool(getattr(config, "delay_wgrad_compute", False))
+        if delay:
+            for p in (self.weight1, self.weight2):
+                p.skip_backward_post_hook = True
+        self.wgrad = WeightGradSink(
+            (self.weight1, self.weight2),
+            fuse_main_grad=bool(getattr(config, "gradient_accumulation_fusion", False)),
+            delay=delay,
+        )
+        if delay:
+            from .token_dispatch import DeferredWeightGrad
+
+            self.wgrad.ep_deferred = DeferredWeightGrad()
+        self.register_load_state_dict_post_hook(drop_extra_state_keys)
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        """Megatron's init methods per expert (fp32 master, then cast), under the expert RNG tracker."""
+        with expert_rng_context():
+            inits = ((self.weight1, self.config.init_method), (self.weight2, self.config.output_layer_init_method))
+            for w, init in inits:
+                for e in range(self.num_local_experts):
+                    master = torch.empty(w.shape[1:], dtype=torch.float32, device=w.device)
+                    init(master)
+                    w[e].copy_(master)
+
+    # ------------------------------------------------------------------------------------------------
+    def compute(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Combined output [T, H] of the local experts for a kernels routing over local expert ids."""
+        return sonic_experts(
+            x_TD,
+            routing,
+            self.weight1,
+            self.weight2,
+            activation=self.activation,
+            backend=self.sonic_config.backend,
+            sink=self.wgrad,
+        )
+
+    def forward(
+        self,
+        permuted_local_hidden_states: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        permuted_probs: torch.Tensor,
+        **kwargs,
+    ):
+        """Megatron's experts contract: rows grouped by local expert (``tokens_per_expert`` [El] rows
+        each, on any device), one prob per row applied to the activation. Returns (output [N, H], None)."""
+        if kwargs.get("output_buffer") is not None or kwargs.get("grad_input_buffer") is not None:
+            raise ValueError("SonicExperts: NCCL-EP zero-copy buffers (output_buffer, grad_input_buffer) unsupported")
+        x_NH = permuted_local_hidden_states
+        n = x_NH.shape[0]
+        counts = torch.as_tensor(tokens_per_expert)
+        if counts.numel() != self.num_local_experts:
+            raise ValueError(
+                f"SonicExperts: tokens_per_expert must have {self.num_local_experts} entries, got {counts.numel()}"
+            )
+        expert_ids = torch.arange(self.num_local_experts, dtype=torch.int32, device=counts.device)
+        expert_idx_N = torch.repeat_interleave(expert_ids, counts.long(), output_size=n).to(x_NH.device)
+        token_idx_N = torch.arange(n, dtype=torch.int32, device=x_NH.device)
+        routing = FlatRouting(token_idx_N, expert_idx_N, permuted_probs.reshape(-1), n)
+        return self.compute(x_NH, routing), None
+
+    def backward_dw(self) -> None:
+        """Compute the weight gradients deferred by ``delay_wgrad_compute`` (no-op otherwise)."""
+        self.wgrad.compute()
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
+        """Megatron DDP (``delay_wgrad_compute``) registers its per-parameter grad-ready hooks here; they run
+        after ``backward_dw()`` has accumulated the weight gradients."""
+        self.wgrad.register_hook(hook)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """SequentialMLP-compatible keys and global shapes (see ``sonic_megatron.checkpoint``)."""
+        return stacked_experts_sharded_state_dict(self, prefix, sharded_offsets, metadata)

@@ -1,0 +1,139 @@
+"""``SonicMoELayer``: Megatron's MoELayer with SonicMoE's dispatch and experts.
+
+It keeps MoELayer's method split and ``forward`` (route -> preprocess -> dispatch -> routed_experts_compute
+-> combine -> postprocess, plus shared_experts_compute), so ``TransformerLayer.is_moe_layer``, selective
+``moe`` recompute, shared-expert overlap and the 1F1B EP-overlap schedule (which calls these methods as
+separate nodes) work unchanged. What changes per method, with ``SonicConfig.dispatcher='sonic'``:
+
+* route: Megatron's router (``SonicRouter`` = TopKRouter with every option); with token rounding in
+  training it also keeps the dense router probabilities.
+* preprocess / dispatch / combine / postprocess: ``SonicTokenDispatcher`` (token_dispatch underneath:
+  each token crosses to a rank once, tile-aware token rounding, chunked overlap).
+* routed_experts_compute: the local experts of ``SonicExperts`` on the received tokens (Sonic kernels:
+  gather-fused up-projection, cached X and H only, per-token reduction before the combine).
+
+With ``dispatcher='megatron'`` Megatron's own dispatcher is kept (any ``moe_token_dispatcher_type``) and
+only the experts are Sonic. Unsupported Megatron options fail here, at construction (``config.py``).
+"""
+
+from __future__ import annotations
+
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from .config import SonicConfig, validate_megatron_config
+from .dispatcher import LocalPlan, SonicTokenDispatcher
+from .experts import SonicExperts
+from .kernels import TopKRouting
+from .megatron_compat import accepted_kwargs, default_pg_collection
+from .router import SonicRouter
+
+try:
+    from .token_dispatch import local_experts
+except ImportError:  # pragma: no cover - see dispatcher.py
+    local_experts = None
+
+
+def default_submodules(sonic_config: SonicConfig | None = None) -> MoESubmodules:
+    """Routed experts = SonicExperts, router = SonicRouter, no shared experts."""
+    params = {"sonic_config": sonic_config} if sonic_config is not None else {}
+    return MoESubmodules(experts=ModuleSpec(module=SonicExperts, params=params), router=SonicRouter)
+
+
+class SonicMoELayer(MoELayer):
+    """MoELayer computing with SonicMoE (see the module docstring).
+
+    Args:
+        config: Megatron TransformerConfig (validated by ``validate_megatron_config``).
+        submodules: ``MoESubmodules``; experts must be ``SonicExperts`` with ``dispatcher='sonic'``, the
+            router should be ``SonicRouter`` (required for token rounding). Default: ``default_submodules``.
+        layer_number, pg_collection: as MoELayer.
+        sonic_config: plugin options; ``SONIC_MEGATRON_*`` environment variables override them.
+        **kwargs: forwarded to MoELayer when its version accepts them (0.19: ``is_mtp_layer``, ``name``).
+    """
+
+    def __init__(
+        self,
+        config,
+        submodules: MoESubmodules | None = None,
+        layer_number: int | None = None,
+        pg_collection=None,
+        sonic_config: SonicConfig | None = None,
+        **kwargs,
+    ):
+        self.sonic = SonicConfig.resolve(sonic_config)
+        validate_megatron_config(config, self.sonic)
+        if submodules is None:
+            submodules = default_submodules(self.sonic)
+        if pg_collection is None:
+            pg_collection = default_pg_collection()
+        super().__init__(
+            **accepted_kwargs(
+                MoELayer.__init__,
+                dict(
+                    config=config,
+                    submodules=submodules,
+                    layer_number=layer_number,
+                    pg_collection=pg_collection,
+                    **kwargs,
+                ),
+            )
+        )
+        if isinstance(self.experts, SonicExperts):
+            self.experts.sonic_config = self.sonic
+        if self.sonic.rounding_enabled and not isinstance(self.router, SonicRouter):
+            raise ValueError(
+                f"SonicConfig.token_rounding={self.sonic.token_rounding!r} needs the router to be SonicRouter, "
+                f"got {type(self.router).__name__}"
+            )
+        self._dense_probs_TE = None
+        if self.sonic.dispatcher == "sonic":
+            if not isinstance(self.experts, SonicExperts):
+                raise ValueError(
+                    "SonicConfig.dispatcher='sonic' needs MoESubmodules.experts = SonicExperts, got "
+                    f"{type(self.experts).__name__} (use dispatcher='megatron' for other experts)"
+                )
+            self.token_dispatcher = SonicTokenDispatcher(
+                self.num_local_experts, self.local_expert_indices, config, pg_collection, self.sonic
+            )
+            if self.use_shared_expert and self.shared_expert_overlap:
+                self.token_dispatcher.set_shared_experts(self.shared_experts)
+
+    @property
+    def _sonic_dispatch(self) -> bool:
+        return isinstance(self.token_dispatcher, SonicTokenDispatcher)
+
+    def route(self, hidden_states, padding_mask=None):
+        rounding = self._sonic_dispatch and self.sonic.rounding_enabled and self.training
+        if isinstance(self.router, SonicRouter):
+            self.router.keep_dense_probs = rounding
+        probs, routing_map = super().route(hidden_states, padding_mask)
+        self._dense_probs_TE = self.router.pop_dense_probs() if rounding else None
+        return probs, routing_map
+
+    def preprocess(self, hidden_states, probs, routing_map):
+        if not self._sonic_dispatch:
+            return super().preprocess(hidden_states, probs, routing_map)
+        dense, self._dense_probs_TE = self._dense_probs_TE, None
+        return self.token_dispatcher.dispatch_preprocess(hidden_states, routing_map, probs, dense_probs_TE=dense)
+
+    def routed_experts_compute(self, hidden_states, probs):
+        if not self._sonic_dispatch:
+            return super().routed_experts_compute(hidden_states, probs)
+        disp = self.token_dispatcher
+        x_recv, _, scores_recv = disp.dispatch_postprocess(hidden_states, probs)
+        plan = disp.plan
+        if isinstance(plan, LocalPlan):
+            y = self.experts.compute(x_recv, TopKRouting(scores_recv, plan.indices_TK))
+        else:
+            y = local_experts(
+                x_recv,
+                scores_recv,
+                self.experts.weight1,
+                self.experts.weight2,
+                plan,
+                activation=self.experts.activation,
+                backend=self.sonic.backend,
+                wgrad=self.experts.wgrad.ep_deferred,
+            )
+        return disp.combine_preprocess(y), None

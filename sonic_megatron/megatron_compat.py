@@ -1,0 +1,140 @@
+"""What differs between the supported megatron-core versions (0.16.1 .. 0.19.2), found by feature detection,
+plus the CPU/gloo patches that let Megatron's MoE code run without CUDA (tests, the CPU demo).
+
+Nothing here changes Megatron's behaviour on a GPU: ``patch_megatron_for_cpu`` refuses to run when CUDA is
+available, and the other helpers only read signatures.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def accepted_kwargs(fn: Callable, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The subset of ``kwargs`` that ``fn`` accepts (all of them if it takes ``**kwargs``). Megatron 0.19
+    passes ``is_mtp_layer``/``name`` to modules that 0.16 built without them; forwarding only what the
+    parent accepts keeps one code path for both."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(kwargs)
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+@functools.cache
+def experts_are_built_by_call() -> bool:
+    """True on megatron-core >= 0.19, where ``MoELayer`` calls ``submodules.experts(...)`` instead of
+    ``build_module(...)`` (detected by the ``ExpertsBuilder`` protocol that came with it)."""
+    from megatron.core.transformer.moe import moe_layer
+
+    return hasattr(moe_layer, "ExpertsBuilder")
+
+
+def default_pg_collection():
+    """Megatron's default process-group collection for MoE (from parallel_state)."""
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    return get_default_pg_collection()
+
+
+def expert_rng_context():
+    """The expert-parallel RNG tracker's fork (``is_expert=True`` initialisation) when Megatron's CUDA RNG
+    tracker has it registered; a null context otherwise (CPU, or seeds not set up by
+    ``model_parallel_cuda_manual_seed``)."""
+    import contextlib
+
+    try:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+    except ImportError:  # pragma: no cover - all supported versions have both
+        return contextlib.nullcontext()
+    tracker = get_cuda_rng_tracker()
+    name = get_expert_parallel_rng_tracker_name()
+    states = tracker.get_states() if hasattr(tracker, "get_states") else {}
+    if torch.cuda.is_available() and name in states:
+        return tracker.fork(name)
+    return contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CPU / gloo: the four patches of MEGATRON.md section 11.1
+# ----------------------------------------------------------------------------------------------------------
+
+
+class _FakeStream:
+    """Stands in for torch.cuda.Stream/Event on a CPU: every operation is a no-op, it is its own context
+    manager and equal to every other fake stream (Megatron compares streams and records events)."""
+
+    def wait_stream(self, *args, **kwargs):
+        return None
+
+    def wait_event(self, *args, **kwargs):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def record(self, *args, **kwargs):
+        return None
+
+    def query(self):
+        return True
+
+    def record_event(self, *args, **kwargs):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def __eq__(self, other):
+        return True
+
+    def __hash__(self):
+        return 0
+
+
+_CPU_PATCHED = False
+
+
+def patch_megatron_for_cpu() -> None:
+    """Let Megatron's MoE layer, dispatchers and GPT model run on a CPU over gloo (idempotent).
+
+    Call after ``torch.distributed.init_process_group("gloo")`` and before building layers. Patches:
+    (1) ``torch.cuda.current_device`` returns "cpu" (tensor-parallel mappings allocate there);
+    (2) CUDA streams/events become no-op objects; (3) the alltoall dispatcher's ``maybe_move_tensor_to_cpu``
+    also converts CPU tensors to numpy split sizes; (4) on 0.16 without Transformer Engine the missing
+    ``te_general_gemm`` name is defined as None. Refuses to patch when CUDA is available.
+    """
+    global _CPU_PATCHED
+    if _CPU_PATCHED:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("patch_megatron_for_cpu: CUDA is available; these patches are for CPU-only runs")
+    fake = _FakeStream()
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.Stream = lambda *a, **k: fake
+    torch.cuda.Event = lambda *a, **k: fake
+    torch.cuda.current_stream = lambda *a, **k: fake
+    torch.cuda.default_stream = lambda *a, **k: fake
+    torch.cuda.stream = lambda *a, **k: fake
+    torch.cuda.synchronize = lambda *a, **k: None
+
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if tensor is None or not isinstance(tensor, torch.Tensor):
+            return tensor
+        tensor = tensor.cpu()
+        return tensor.numpy() if as_numpy else tensor
+
+    if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
+        token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    if "te_general_gemm" not in vars(moe_utils):
+        moe_utils.te_general_gemm = None
+    _CPU_PATCHED = True

@@ -1,0 +1,135 @@
+"""Helpers shared by the Megatron tests, the demo and the GPU check script: process-group setup (gloo on
+CPUs, NCCL on GPUs), small MoE configs, and weight copies between SequentialMLP and SonicExperts.
+
+Shape legend: El local experts, F expert ffn size, H hidden size.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(rank: int, world_size: int, port: int | None = None) -> torch.device:
+    """Join the default process group (NCCL with one GPU per rank when CUDA is present, else gloo and the
+    CPU patches of ``megatron_compat``). Returns this rank's device."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if port is not None:
+        os.environ["MASTER_PORT"] = str(port)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group("nccl", rank=rank, world_size=world_size)
+        return torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    from .megatron_compat import patch_megatron_for_cpu
+
+    patch_megatron_for_cpu()
+    return torch.device("cpu")
+
+
+def init_model_parallel(ep: int = 1, tp: int = 1, seed: int = 1234) -> None:
+    """Megatron's parallel_state with expert parallelism ``ep`` (and model-parallel RNG on GPUs)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    try:
+        init_distributed(rank, world_size, port)
+        fn(rank, world_size, *args)
+        queue.put((rank, None))
+    except BaseException:  # noqa: BLE001 - reported to the parent verbatim
+        queue.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world_size: int, *args, timeout: float = 300.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined in a process group;
+    raise with the failing ranks' tracebacks. ``fn`` must be importable (module level)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    errors = []
+    try:
+        for _ in range(world_size):
+            rank, err = queue.get(timeout=timeout)
+            if err:
+                errors.append(f"rank {rank}:\n{err}")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("distributed worker failed:\n" + "\n".join(errors))
+
+
+def moe_config(**overrides):
+    """A small dropless MoE TransformerConfig the plugin supports (SwiGLU, no biases, fp32 router)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = dict(
+        num_layers=1,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        moe_ffn_hidden_size=48,
+        num_attention_heads=4,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="none",
+        moe_router_dtype="fp32",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+    )
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        kw["expert_model_parallel_size"] = parallel_state.get_expert_model_parallel_world_size()
+        kw["tensor_model_parallel_size"] = parallel_state.get_tensor_model_parallel_world_size()
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+@torch.no_grad()
+def copy_sequential_to_sonic(sequential, sonic) -> None:
+    """Copy SequentialMLP expert weights (fc1 [G, H], fc2 [H, F] per expert) into SonicExperts' stacks."""
+    for e, expert in enumerate(sequential.local_experts):
+        sonic.weight1[e].copy_(expert.linear_fc1.weight)
+        sonic.weight2[e].copy_(expert.linear_fc2.weight)
+
+
+def sonic_grads_as_sequential(sonic) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """SonicExperts' weight grads per expert, in SequentialMLP's (fc1, fc2) shapes."""
+    g1, g2 = sonic.weight1.grad, sonic.weight2.grad
+    return [(g1[e], g2[e]) for e in range(sonic.num_local_experts)]

@@ -1,0 +1,86 @@
+"""Where expert weight gradients go: autograd's ``.grad``, Megatron DDP's ``main_grad`` (with
+``gradient_accumulation_fusion``), now or later (``delay_wgrad_compute`` → ``backward_dw()``).
+
+Shape legend: see ``kernels/routing.py``.
+
+Megatron's contract, mirrored here:
+* fused accumulation: the gradient is added into ``param.main_grad``, ``param.grad_added_to_main_grad`` is
+  set, and autograd receives a dummy tensor so that DDP's per-parameter hook still fires (it skips the add
+  because of the flag) -- exactly what Megatron's own linear layers do;
+* delayed wgrad: backward records what the weight GEMMs need and returns no weight gradient; ``compute()``
+  (called from ``backward_dw()``) runs the GEMMs, accumulates, then calls the hooks DDP registered through
+  ``register_wgrad_accumulation_and_reduce_hooks`` (parameters carry ``skip_backward_post_hook``).
+The recorded work lives in a FIFO owned by the experts module; backward of microbatch i always precedes
+its ``backward_dw``, so the queue never holds more than the microbatches in flight.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+
+class WeightGradSink:
+    """Receives (w1, w2) weight gradients for one experts module."""
+
+    def __init__(self, params: tuple[torch.nn.Parameter, ...], *, fuse_main_grad: bool, delay: bool):
+        self.params = params
+        self.fuse_main_grad = fuse_main_grad
+        self.delay = delay
+        self._pending: deque[Callable[[], tuple[torch.Tensor, ...]]] = deque()
+        self._hooks: list[Callable] = []
+        # token_dispatch.local_experts defers into its own DeferredWeightGrad (set by SonicExperts).
+        self.ep_deferred = None
+
+    # -- called from autograd backward ---------------------------------------------------------------
+    def grads_for_autograd(self, compute: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor | None, ...]:
+        """What backward returns for the weights. ``compute()`` yields the weight gradients (one per param)."""
+        if self.delay:
+            self._pending.append(compute)
+            return (None,) * len(self.params)
+        grads = compute()
+        if not self.fuse_main_grad:
+            return grads
+        out = []
+        for p, g in zip(self.params, grads, strict=True):
+            if getattr(p, "main_grad", None) is None:
+                out.append(g)
+                continue
+            p.main_grad.add_(g.to(p.main_grad.dtype))
+            if hasattr(p, "grad_added_to_main_grad"):
+                p.grad_added_to_main_grad = True
+                # A dummy grad keeps DDP's grad-ready hook firing; DDP skips the add (flag set above).
+                out.append(torch.empty(p.shape, dtype=g.dtype, device=g.device))
+            else:
+                out.append(None)
+        return tuple(out)
+
+    # -- called from backward_dw() ---------------------------------------------------------------------
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending) + (self.ep_deferred.num_pending if self.ep_deferred is not None else 0)
+
+    def compute(self) -> None:
+        """Run every recorded weight-gradient computation, accumulate, then fire DDP's hooks."""
+        if not self.num_pending:
+            return
+        if self.ep_deferred is not None:
+            self.ep_deferred.compute()
+        while self._pending:
+            grads = self._pending.popleft()()
+            for p, g in zip(self.params, grads, strict=True):
+                if self.fuse_main_grad and getattr(p, "main_grad", None) is not None:
+                    p.main_grad.add_(g.to(p.main_grad.dtype))
+                    if hasattr(p, "grad_added_to_main_grad"):
+                        p.grad_added_to_main_grad = True
+                elif p.grad is None:
+                    p.grad = g.to(p.dtype)
+                else:
+                    p.grad.add_(g.to(p.grad.dtype))
+        for hook in self._hooks:
+            hook()
+
+    def register_hook(self, hook: Callable) -> None:
+        self._hooks.append(hook)
