@@ -196,7 +196,9 @@ def validate_inputs(
 
 class MoEExpertsFunction(torch.autograd.Function):
     """Saves exactly X, H, the scores and the int32 metadata (plus the weights, which are parameters).
-    A, Y, gathered X and gathered dO are never saved."""
+    A, Y, gathered X and gathered dO are never saved. Under ``torch.no_grad()`` it would still compute H
+    (``ctx.needs_input_grad`` ignores grad mode): callers with an inference path call
+    ``ops.forward(..., store_h=False)`` instead, as ``moe_experts`` does."""
 
     @staticmethod
     def forward(ctx, x_TD, scores_R, w1_EGD, w2_EDF, ops, activation, *meta_tensors):
@@ -259,4 +261,9 @@ def moe_experts(
     validate_inputs(x_TD, routing, w1_EGD, w2_EDF, activation, check_indices)
     ops = resolve_backend(backend, x_TD.device)
     scores_R, meta = compute_metadata(routing, w1_EGD.shape[0])
-    return MoEExpertsFunction.apply(x_TD.contiguous(), scores_R, w1_EGD, w2_EDF, ops, activation, *meta.tensors())
+    x_TD = x_TD.contiguous()
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (x_TD, scores_R, w1_EGD, w2_EDF))):
+        # Inference: no autograd node and no H (SonicMoE stores only A). This must be decided here: inside
+        # Function.forward grad mode is always off and ctx.needs_input_grad ignores torch.no_grad().
+        return ops.forward(x_TD, scores_R, w1_EGD, w2_EDF, meta, activation, store_h=False)[0]
+    return MoEExpertsFunction.apply(x_TD, scores_R, w1_EGD, w2_EDF, ops, activation, *meta.tensors())
