@@ -116,7 +116,9 @@ def validate_inputs(
     if activation not in ACTIVATIONS:
         _fail("activation", f"one of {ACTIVATIONS}", repr(activation))
     if not isinstance(x_TD, torch.Tensor) or x_TD.dim() != 2:
-        _fail("x", "a 2-D tensor [T, D]", getattr(x_TD, "shape", type(x_TD)))
+        _fail(
+            "x", "a 2-D tensor [T, D]", f"shape {tuple(x_TD.shape)}" if isinstance(x_TD, torch.Tensor) else type(x_TD)
+        )
     if x_TD.dtype not in FLOAT_DTYPES:
         _fail("x.dtype", f"one of {FLOAT_DTYPES}", x_TD.dtype)
     T, D = x_TD.shape
@@ -172,8 +174,9 @@ def validate_inputs(
         raise TypeError(f"moe_experts: routing must be TopKRouting or FlatRouting, got {type(routing).__name__}")
     if not s.is_floating_point():
         _fail("routing scores dtype", "floating point", s.dtype)
-    for name, t in (("routing scores", s), ("routing expert indices", expert_idx)):
-        if t.device != x_TD.device:
+    located = (("routing scores", s), ("routing expert indices", expert_idx), ("routing.token_idx_R", token_idx))
+    for name, t in located:
+        if t is not None and t.device != x_TD.device:
             _fail(f"{name}.device", f"x.device ({x_TD.device})", t.device)
     if check_indices is None:
         check_indices = x_TD.device.type == "cpu"
