@@ -219,6 +219,8 @@ def run(args: argparse.Namespace) -> int:
                 except Exception as exc:  # keep measuring the others; the error goes to the table/JSON
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             cfg_rows.append(row)
+            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+            write_json(args.json, _payload(rows + cfg_rows))
             torch.cuda.empty_cache()
         sonic = next((r for r in cfg_rows if r["provider"] == "sonic" and "fwdbwd_TF" in r), None)
         for r in cfg_rows:
@@ -229,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
         del providers, ref_out
         torch.cuda.empty_cache()
         print_table(cfg_rows, COLUMNS)  # per config as it completes, so a cut-off run still reports
-        write_json(args.json, {"benchmark": "experts", "dtype": "bfloat16", "cute_tuning": _tuning(), "rows": rows})
+        write_json(args.json, _payload(rows))
     print("\nall configs:")
     print_table(rows, COLUMNS)
     return 0
@@ -239,5 +241,6 @@ COLUMNS = ["config", "provider", "fwd_ms", "fwd_TF", "bwd_TF", "fwdbwd_ms", "fwd
 COLUMNS += ["act_MiB", "bound_MiB", "first_s", "rel_err", "error"]
 
 
-def _tuning() -> str:
-    return os.environ.get("SONIC_MEGATRON_CUTE_TUNING", "heuristic")
+def _payload(rows: list[dict]) -> dict:
+    tuning = os.environ.get("SONIC_MEGATRON_CUTE_TUNING", "heuristic")
+    return {"benchmark": "experts", "dtype": "bfloat16", "cute_tuning": tuning, "rows": rows}
