@@ -46,6 +46,12 @@ class Problem:
             return TopKRouting(scores, self.indices_TK)
         return FlatRouting(self.token_idx_R, self.expert_idx_R, scores, self.num_tokens)
 
+    def token_of_pairs(self) -> torch.Tensor:
+        """Token of every flat pair (top-K entries flattened row-major)."""
+        if self.indices_TK is not None:
+            return torch.arange(self.num_tokens).repeat_interleave(self.indices_TK.shape[1])
+        return self.token_idx_R
+
     def expert_of_pairs(self) -> torch.Tensor:
         """Expert of every flat pair (top-K entries flattened row-major)."""
         return self.indices_TK.reshape(-1) if self.indices_TK is not None else self.expert_idx_R

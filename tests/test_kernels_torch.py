@@ -72,6 +72,34 @@ def test_float64_matches_reference(case, activation):
         assert got["out"].abs().max() > 0, "a test problem with pairs must have a non-zero output"
 
 
+def _pair_loop(p, activation):
+    """The MoE written pair by pair with torch.nn.functional activations: independent of kernels/ (the
+    reference shares flatten_routing and act_forward with the backends)."""
+    from test_kernels_activations import torch_activation
+
+    def fn(x, routing, w1, w2, _activation):
+        scores_R = (routing.scores_TK if p.indices_TK is not None else routing.scores_R).reshape(-1)
+        out = [torch.zeros(x.shape[1], dtype=x.dtype) for _ in range(x.shape[0])]
+        for j, (t, e) in enumerate(zip(p.token_of_pairs().tolist(), p.expert_of_pairs().tolist(), strict=True)):
+            h = (w1[e] @ x[t])[None]
+            out[t] = out[t] + scores_R[j] * (w2[e] @ torch_activation(activation, h)[0])
+        return torch.stack(out) if out else x.new_zeros(0, x.shape[1])
+
+    return fn
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("case", ["topk", "experts_without_tokens", "flat_variable", "T0_topk"])
+def test_reference_matches_pair_loop(case, activation):
+    """The oracle itself is checked against a pair-by-pair loop on a few cases."""
+    p = CASES[case](activation)
+    ref = run(reference, p, activation, torch.float64)
+    loop = run(_pair_loop(p, activation), p, activation, torch.float64)
+    for name in OUTPUTS:
+        scale = max(loop[name].abs().max().item(), 1.0) if loop[name].numel() else 1.0
+        assert max_abs_err(ref[name], loop[name]) <= 1e-12 * scale, name
+
+
 def test_experts_without_tokens_get_zero_weight_grads():
     p = CASES["experts_without_tokens"]("swiglu")
     got = run(ours, p, "swiglu", torch.float64)
