@@ -53,6 +53,9 @@ def init_model_parallel(ep: int = 1, tp: int = 1, seed: int = 1234) -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")  # Megatron's "no TE / no Apex" notices, once per process
     try:
         init_distributed(rank, world_size, port)
         fn(rank, world_size, *args)

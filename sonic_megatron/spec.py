@@ -1,0 +1,167 @@
+"""Layer/block specs with the Sonic MoE layer, for megatron-core 0.16 .. 0.19.
+
+Swap helper (any version, any spec shape)::
+
+    from sonic_megatron.spec import swap_moe_spec
+    block_spec = swap_moe_spec(get_gpt_decoder_block_spec(config, use_transformer_engine=True))
+    mtp_spec = swap_moe_spec(get_gpt_mtp_block_spec(config, block_spec, use_transformer_engine=True))
+
+``swap_moe_spec`` returns a deep copy in which every MoE mlp -- a ``ModuleSpec(module=MoELayer)`` (0.16-0.18)
+or a ``functools.partial(MoELayer, submodules=...)`` (0.19) -- becomes ``ModuleSpec(module=SonicMoELayer)``
+with ``SonicExperts`` routed experts, ``SonicRouter``, and the original shared experts; dense mlps and
+everything else are untouched. It walks layer specs, ``TransformerBlockSubmodules`` (mixed dense/MoE layer
+lists, e.g. ``--moe-layer-freq``), block ``ModuleSpec``s and MTP block submodules alike.
+
+``--spec sonic_megatron.spec <name>`` with Megatron-LM's ``pretrain_gpt.py``:
+* ``sonic_local_layer_spec`` / ``sonic_te_layer_spec`` (a ready layer ``ModuleSpec``; every version): every
+  layer is a MoE layer (``--moe-layer-freq`` 1) built from Megatron's local / Transformer Engine GPT layer
+  spec. ``sonic_te_layer_spec`` exists only when Transformer Engine is importable. 0.16-0.18's
+  ``gpt_builders`` accept only such a ModuleSpec (a function raises "specialize for function").
+* ``sonic_block_spec`` (a function ``fn(config, vp_stage=None)``; megatron-core >= 0.19 where
+  ``GPTModelBuilder`` calls it): Megatron's ``default_layer_spec(config, vp_stage)`` swapped, so mixed
+  dense/MoE layers, VPP and MTP follow the usual flags.
+Options: ``SONIC_MEGATRON_*`` environment variables (see ``sonic_megatron.config``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from .config import SonicConfig
+from .experts import SonicExperts
+from .layer import SonicMoELayer
+from .router import SonicRouter
+
+
+def sonic_moe_spec(old_submodules: MoESubmodules | None = None, sonic_config: SonicConfig | None = None) -> ModuleSpec:
+    """The ModuleSpec of a SonicMoELayer keeping ``old_submodules.shared_experts`` (if any)."""
+    shared = getattr(old_submodules, "shared_experts", None) if old_submodules is not None else None
+    expert_params = {"sonic_config": sonic_config} if sonic_config is not None else {}
+    params = {"sonic_config": sonic_config} if sonic_config is not None else {}
+    return ModuleSpec(
+        module=SonicMoELayer,
+        submodules=MoESubmodules(
+            experts=ModuleSpec(module=SonicExperts, params=expert_params),
+            shared_experts=shared,
+            router=SonicRouter,
+        ),
+        params=params,
+    )
+
+
+def _is_stock_moe(obj) -> bool:
+    cls = obj.module if isinstance(obj, ModuleSpec) else obj.func if isinstance(obj, functools.partial) else None
+    return isinstance(cls, type) and issubclass(cls, MoELayer) and not issubclass(cls, SonicMoELayer)
+
+
+def _swap(obj, sonic_config, seen: dict):
+    if id(obj) in seen:
+        return seen[id(obj)]
+    if _is_stock_moe(obj):
+        old = obj.submodules if isinstance(obj, ModuleSpec) else obj.keywords.get("submodules")
+        out = sonic_moe_spec(old, sonic_config)
+    elif isinstance(obj, ModuleSpec):
+        obj.submodules = _swap(obj.submodules, sonic_config, seen)
+        out = obj
+    elif isinstance(obj, functools.partial):
+        out = functools.partial(
+            obj.func, *obj.args, **{k: _swap(v, sonic_config, seen) for k, v in obj.keywords.items()}
+        )
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            setattr(obj, f.name, _swap(getattr(obj, f.name), sonic_config, seen))
+        out = obj
+    elif isinstance(obj, list):
+        out = [_swap(v, sonic_config, seen) for v in obj]
+    elif isinstance(obj, tuple):
+        out = tuple(_swap(v, sonic_config, seen) for v in obj)
+    else:
+        out = obj
+    seen[id(obj)] = out
+    return out
+
+
+def swap_moe_spec(spec, sonic_config: SonicConfig | None = None):
+    """A deep copy of a GPT layer / block / MTP spec with every stock MoE layer replaced by SonicMoELayer."""
+    return _swap(copy.deepcopy(spec), sonic_config, {})
+
+
+def count_sonic_layers(spec) -> int:
+    """How many SonicMoELayer specs a (swapped) spec contains (tests, sanity checks in launchers)."""
+    found = []
+
+    def walk(obj, seen):
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, ModuleSpec):
+            if obj.module is SonicMoELayer:
+                found.append(obj)
+            walk(obj.submodules, seen)
+        elif isinstance(obj, functools.partial):
+            for v in obj.keywords.values():
+                walk(v, seen)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for f in dataclasses.fields(obj):
+                walk(getattr(obj, f.name), seen)
+        elif isinstance(obj, list | tuple):
+            for v in obj:
+                walk(v, seen)
+
+    walk(spec, set())
+    return len(found)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Ready specs for `--spec sonic_megatron.spec <name>` (module attributes, built at import: Megatron reads
+# them with vars(module)[name], so lazy attributes would not be found).
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _layer_spec(use_te: bool) -> ModuleSpec:
+    from megatron.core.models.gpt import gpt_layer_specs as g
+
+    if use_te:
+        return swap_moe_spec(g.get_gpt_layer_with_transformer_engine_spec(num_experts=8, moe_grouped_gemm=True))
+    return swap_moe_spec(g.get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False))
+
+
+def _have_te() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable"
+        return False
+    return True
+
+
+sonic_local_layer_spec: ModuleSpec = _layer_spec(use_te=False)
+if _have_te():
+    sonic_te_layer_spec: ModuleSpec = _layer_spec(use_te=True)
+
+
+def sonic_block_spec(config, vp_stage: int | None = None):
+    """megatron-core >= 0.19 (``GPTModelBuilder``): Megatron's default GPT layer/block spec for ``config``
+    (a GPTModelConfig) with the MoE layers swapped for Sonic."""
+    try:
+        from megatron.training.models.gpt import default_layer_spec
+    except ImportError as exc:
+        raise RuntimeError(
+            "sonic_block_spec needs megatron-core >= 0.19 (megatron.training.models.gpt); on 0.16-0.18 pass "
+            "--spec sonic_megatron.spec sonic_local_layer_spec (or sonic_te_layer_spec)"
+        ) from exc
+    return swap_moe_spec(default_layer_spec(config, vp_stage))
+
+
+def gpt_block_spec(config, use_transformer_engine: bool, vp_stage: int | None = None, sonic_config=None, **kwargs):
+    """``get_gpt_decoder_block_spec`` (mixed dense/MoE per ``moe_layer_freq``) with Sonic MoE layers."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    spec = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_transformer_engine, vp_stage=vp_stage, **kwargs
+    )
+    return swap_moe_spec(spec, sonic_config)
