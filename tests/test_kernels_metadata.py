@@ -12,7 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 from sonic_megatron.kernels import FlatRouting, RoutingMetadata, TopKRouting, compute_metadata
-from test_kernels_helpers import flat_problem, mask_from_counts, mask_variable, topk_problem
+from test_kernels_helpers import (
+    flat_problem,
+    mask_from_counts,
+    mask_variable,
+    poison_uninitialized,  # noqa: F401  (fixture)
+    topk_problem,
+)
+
+pytestmark = pytest.mark.usefixtures("poison_uninitialized")
 
 PROBLEMS = {
     "topk": lambda: topk_problem(50, 4, 2, 7, 3, seed=61),
