@@ -109,7 +109,9 @@ def patch_megatron_for_cpu() -> None:
     (1) ``torch.cuda.current_device`` returns "cpu" (tensor-parallel mappings allocate there);
     (2) CUDA streams/events become no-op objects; (3) the alltoall dispatcher's ``maybe_move_tensor_to_cpu``
     also converts CPU tensors to numpy split sizes; (4) on 0.16 without Transformer Engine the missing
-    ``te_general_gemm`` name is defined as None. Refuses to patch when CUDA is available.
+    ``te_general_gemm`` name is defined as None; (5) the CUDA RNG tracker's ``fork`` is a no-op (its states
+    need CUDA; attention dropout on a CPU then draws from the default generator). Refuses to patch when CUDA
+    is available.
     """
     global _CPU_PATCHED
     if _CPU_PATCHED:
@@ -137,4 +139,10 @@ def patch_megatron_for_cpu() -> None:
         token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     if "te_general_gemm" not in vars(moe_utils):
         moe_utils.te_general_gemm = None
+
+    import contextlib
+
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     _CPU_PATCHED = True

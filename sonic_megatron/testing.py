@@ -22,14 +22,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(rank: int, world_size: int, port: int | None = None) -> torch.device:
-    """Join the default process group (NCCL with one GPU per rank when CUDA is present, else gloo and the
-    CPU patches of ``megatron_compat``). Returns this rank's device."""
+def init_distributed(rank: int, world_size: int, port: int | None = None, local_rank: int | None = None):
+    """Join the default process group (NCCL with GPU ``local_rank`` (default: rank) when CUDA is present, else
+    gloo and the CPU patches of ``megatron_compat``). Returns this rank's device."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if port is not None:
         os.environ["MASTER_PORT"] = str(port)
     if torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device((rank if local_rank is None else local_rank) % torch.cuda.device_count())
         dist.init_process_group("nccl", rank=rank, world_size=world_size)
         return torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
