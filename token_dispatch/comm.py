@@ -67,14 +67,18 @@ def all_to_all(
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
 
 
+# torch >= 2.13 renames all_gather_into_tensor (and warns); the GPU image's torch 2.11 has only the old name.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def all_gather(t: torch.Tensor, group) -> torch.Tensor:
     """[P, *t.shape]: every rank's ``t`` (same shape on every rank by construction)."""
     P = group_size(group)
     if P == 1:
         return t.unsqueeze(0)
-    out = t.new_empty((P, *t.shape))
-    dist.all_gather_into_tensor(out, t.contiguous(), group=group)
-    return out
+    out = t.new_empty(P * t.numel())
+    _all_gather_flat(out, t.contiguous().reshape(-1), group=group)
+    return out.view(P, *t.shape)
 
 
 def all_gather_strings(msg: str, group) -> list[str]:

@@ -107,6 +107,8 @@ class _EPExperts(torch.autograd.Function):
                 dw1, dw2 = _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, ctx.wgrad, dw1, dw2)
         pend_back.wait()
         ctx.hs = None
+        if dw1 is not None:
+            dw1, dw2 = dw1.to(w1.dtype), dw2.to(w2.dtype)
         dx_TD = X.sum_rows_per_token(plan, dx_send) if ctx.needs_input_grad[0] else None
         ds_R = None
         if ctx.needs_input_grad[1]:

@@ -100,6 +100,8 @@ class _LocalExperts(torch.autograd.Function):
             if want_w:
                 dw1, dw2 = _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, ctx.wgrad, dw1, dw2)
         ctx.hs = None
+        if dw1 is not None:
+            dw1, dw2 = dw1.to(w1.dtype), dw2.to(w2.dtype)
         dx_UD = torch.cat(dxs) if len(dxs) > 1 else dxs[0]
         ds_Q = (torch.cat(dss) if len(dss) > 1 else dss[0]).to(s_Q.dtype)
         return dx_UD, ds_Q, dw1, dw2, None, None, None, None
@@ -113,7 +115,9 @@ def _weight_grads(ops, dO, x, ap, dH, meta: RoutingMetadata, w1, w2, wgrad: Defe
     g1, g2 = ops.backward_weights(dO, x, ap, dH, meta)
     if dw1 is None:
         return g1, g2
-    return dw1.add_(g1), dw2.add_(g2)
+    # Chunks' partial sums add in fp32 (then one rounding in the caller), not in bf16.
+    ct = torch.promote_types(g1.dtype, torch.float32)
+    return dw1.to(ct).add_(g1), dw2.to(ct).add_(g2)
 
 
 class _Combine(torch.autograd.Function):
