@@ -12,12 +12,13 @@ receiver turns them into a ``FlatRouting`` over its L local experts whose "token
 rows, so the local grouped GEMM gathers straight from the receive buffer (no second permutation).
 
 Collectives and host syncs of ``make_plan`` (each one needed to size NCCL buffers):
-  * no rounding: ONE all-gather of [18 + 2NP] int64 (header + per-(chunk, destination) row and pair
-    counts) and ONE host copy of it (split sizes must be host ints for all_to_all_single; the header
+  * no rounding: ONE all-gather of [18 + 2 * 16 * P] int64 (header + per-(chunk, destination) row and
+    pair counts, sized for up to MAX_CHUNKS = 16 chunks so that every rank sends the same size even when
+    their inputs disagree) and ONE host copy of it (split sizes must be host ints for all_to_all_single; the header
     check rides along); then one all-to-all per chunk of the pairs' int32 metadata (sizes known).
-  * rounding: the header all-gather and its host copy come first (so bad input fails before rounding),
-    then rounding's one candidate all-gather and one host sync (``nonzero``: the rounded pair count),
-    then the counts all-gather and its host copy.
+  * rounding: the same all-gather (counts left empty) and host copy come first (so bad input fails
+    before rounding), then rounding's one candidate all-gather and one host sync (``nonzero``: the
+    rounded pair count), then the counts all-gather and its host copy.
 """
 
 from __future__ import annotations
@@ -206,30 +207,35 @@ def make_plan(
         index_stats=stats,
         device=device,
     )
+
+    def counts_slot(rows_NP=None, pairs_NP=None):
+        # Fixed size (MAX_CHUNKS) so that ranks passing different num_chunks still exchange equal sizes.
+        slot = torch.zeros(2, V.MAX_CHUNKS * P, dtype=torch.int64, device=device)
+        if rows_NP is not None:
+            slot[0, : N * P], slot[1, : N * P] = rows_NP, pairs_NP
+        return slot.reshape(-1)
+
+    if error is None and rounding is None:
+        order, seg_s, tok_s, dest_s, row_of_pair, rows_NP, pairs_NP = _send_layout(tok_R, exp_R, T, L, P, N)
+        slot = counts_slot(rows_NP, pairs_NP)
+    else:
+        slot = counts_slot()
+    # The one host sync of the plan without rounding: header + split sizes (the header check rides along).
+    gathered = all_gather(torch.cat([hdr, slot]), group).tolist()
+    V.check_headers([g[: V.HEADER_LEN] for g in gathered], error, group, num_experts)
+    counts_P = [g[V.HEADER_LEN :] for g in gathered]
     rounded = None
     if rounding is not None:
-        # Header first: rounding's own collective must not run on bad input.
-        V.check_headers(all_gather(hdr, group).tolist(), error, group, num_experts)  # host sync (header)
         rounded = round_routing(
             tok_R, exp_R, scores_R, rounding_scores_TE, num_experts=num_experts, rounding=rounding, group=group
         )
         tok_R, exp_R, scores_R = rounded.token_idx_R, rounded.expert_idx_R, rounded.scores_R
-    if error is None:
         order, seg_s, tok_s, dest_s, row_of_pair, rows_NP, pairs_NP = _send_layout(tok_R, exp_R, T, L, P, N)
-        counts = torch.cat([rows_NP, pairs_NP])
-    else:
-        counts = torch.zeros(2 * N * P, dtype=torch.int64, device=device)
-    if rounding is None:
-        # The one host sync of the plan: split sizes (and the header check riding along).
-        gathered = all_gather(torch.cat([hdr, counts]), group).tolist()
-        V.check_headers([g[: V.HEADER_LEN] for g in gathered], error, group, num_experts)
-        counts_P = [g[V.HEADER_LEN :] for g in gathered]
-    else:
-        counts_P = all_gather(counts, group).tolist()  # host sync: split sizes after rounding
+        counts_P = all_gather(counts_slot(rows_NP, pairs_NP), group).tolist()  # host sync: sizes after rounding
 
     # Host split sizes [N][P].
     def split(src: int, c: int, pairs: bool) -> list[int]:
-        base = N * P if pairs else 0
+        base = V.MAX_CHUNKS * P if pairs else 0
         return counts_P[src][base + c * P : base + (c + 1) * P]
 
     send_rows = [split(rank, c, False) for c in range(N)]

@@ -25,6 +25,7 @@ from ..kernels.routing import INDEX_DTYPES, FlatRouting, TopKRouting
 from .comm import all_gather_strings
 
 HEADER_LEN = 18
+MAX_CHUNKS = 16  # num_chunks limit: the counts exchange has a fixed size (see plan.py)
 ROUNDING_CODES = {None: 0, "nearest": 1, "up": 2, "down": 3}
 _DTYPE_CODES = {dt: i for i, dt in enumerate(FLOAT_DTYPES)}
 
@@ -83,8 +84,8 @@ def check_local(
         fail("num_experts", "a positive int", num_experts)
     if num_experts % group_size:
         fail("num_experts", f"a multiple of the EP group size P = {group_size}", num_experts)
-    if not isinstance(num_chunks, int) or num_chunks < 1:
-        fail("num_chunks", "an int >= 1", num_chunks)
+    if not isinstance(num_chunks, int) or not 1 <= num_chunks <= MAX_CHUNKS:
+        fail("num_chunks", f"an int in [1, {MAX_CHUNKS}]", num_chunks)
     if isinstance(routing, TopKRouting):
         s, idx = routing.scores_TK, routing.indices_TK
         if idx.dtype not in INDEX_DTYPES:
