@@ -188,7 +188,11 @@ def _equivalence_worker(rank, P):
         res[f"bitwise/{mode}"] = all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
     # Options that must not change a single bit: redispatch, deferred wgrad.
     base = run_ep(case, rank, P, dtype=torch.bfloat16)
-    for name, opts in (("redispatch", {"redispatch_x_in_backward": True}), ("deferred", {"deferred": True})):
+    for name, opts in (
+        ("redispatch", {"redispatch_x_in_backward": True}),
+        ("deferred", {"deferred": True}),
+        ("no_overlap", {"overlap": False}),
+    ):
         other = run_ep(case, rank, P, dtype=torch.bfloat16, **opts)
         res[f"same_bits/{name}"] = all(torch.equal(u, v) for u, v in zip(base, other, strict=True))
     return res
@@ -236,8 +240,15 @@ def test_bf16_within_torch_tolerance(P, case):
 
 @pytest.mark.parametrize("P", [2, 4])
 def test_repeated_runs_bitwise_equal(P):
+    assert {k for k in _equivalence(P)[0] if "/" in k and k.split("/")[0] in ("bitwise", "same_bits")} == {
+        "bitwise/fused",
+        "bitwise/stepwise",
+        "same_bits/redispatch",
+        "same_bits/deferred",
+        "same_bits/no_overlap",
+    }
     for rank, res in enumerate(_equivalence(P)):
-        for key in ("bitwise/fused", "bitwise/stepwise", "same_bits/redispatch", "same_bits/deferred"):
+        for key in [k for k in res if k.startswith(("bitwise/", "same_bits/"))]:
             assert res[key] is True, f"rank {rank}: {key}"
 
 

@@ -36,14 +36,19 @@ def group_fingerprint(group) -> int:
 
 
 class Pending:
-    """A list of in-flight collectives; ``wait()`` waits for all of them (in launch order)."""
+    """A list of in-flight collectives; ``wait()`` waits for all of them (in launch order).
+    ``eager=True`` waits for each one as soon as it is added (no overlap; for measuring what overlap hides)."""
 
-    def __init__(self) -> None:
+    def __init__(self, eager: bool = False) -> None:
         self._works: list = []
+        self._eager = eager
 
     def add(self, work) -> None:
         if work is not None:
-            self._works.append(work)
+            if self._eager:
+                work.wait()
+            else:
+                self._works.append(work)
 
     def wait(self) -> None:
         for w in self._works:

@@ -26,8 +26,8 @@ from .stepwise import _weight_grads
 from .wgrad import DeferredWeightGrad
 
 
-def _launch_rows(plan: EPPlan, send_SD: torch.Tensor, recv_UD: torch.Tensor) -> list[Pending]:
-    pend = [Pending() for _ in range(plan.num_chunks)]
+def _launch_rows(plan: EPPlan, send_SD: torch.Tensor, recv_UD: torch.Tensor, eager: bool) -> list[Pending]:
+    pend = [Pending(eager) for _ in range(plan.num_chunks)]
     for c in range(plan.num_chunks):
         X.rows_to_experts(plan, send_SD, X.recv_rows(plan, recv_UD, c), c, pend[c])
     return pend
@@ -35,19 +35,19 @@ def _launch_rows(plan: EPPlan, send_SD: torch.Tensor, recv_UD: torch.Tensor) -> 
 
 class _EPExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, scores_R, w1, w2, plan, ops, activation, redispatch, wgrad):
-        N, D = plan.num_chunks, x_TD.shape[1]
+    def forward(ctx, x_TD, scores_R, w1, w2, plan, ops, activation, redispatch, wgrad, overlap):
+        N, D, eager = plan.num_chunks, x_TD.shape[1], not overlap
         x_send = X.gather_send_rows(plan, x_TD)
         x_recv = x_TD.new_empty(plan.num_recv_rows, D)
-        pend_x = _launch_rows(plan, x_send, x_recv)
+        pend_x = _launch_rows(plan, x_send, x_recv, eager)
         s_send = X.send_pair_scores(plan, scores_R.detach())
         s_recv = s_send.new_empty(plan.num_recv_pairs)
-        pend_s = [Pending() for _ in range(N)]
+        pend_s = [Pending(eager) for _ in range(N)]
         for c in range(N):
             X.pairs_to_experts(plan, s_send, X.recv_pairs(plan, s_recv, c), c, pend_s[c])
         store_h = any(ctx.needs_input_grad[:4])
         y_send = x_TD.new_empty(plan.num_send_rows, D)
-        pend_y, hs, keep = Pending(), [], []
+        pend_y, hs, keep = Pending(eager), [], []
         for c in range(N):
             pend_x[c].wait()
             pend_s[c].wait()
@@ -67,7 +67,7 @@ class _EPExperts(torch.autograd.Function):
         del x_send, keep
         out_TD = X.sum_rows_per_token(plan, y_send)
         ctx.plan, ctx.ops, ctx.activation, ctx.hs = plan, ops, activation, hs
-        ctx.redispatch, ctx.wgrad = redispatch, wgrad
+        ctx.redispatch, ctx.wgrad, ctx.eager = redispatch, wgrad, eager
         ctx.scores_meta = (scores_R.shape, scores_R.dtype)
         # Cache: received (deduplicated) token rows -- or only the local X with redispatch -- H, scores.
         ctx.save_for_backward(x_TD if redispatch else x_recv, s_recv, w1, w2)
@@ -80,16 +80,17 @@ class _EPExperts(torch.autograd.Function):
         grad_TD = grad_TD.contiguous()
         D = grad_TD.shape[1]
         dO_recv = grad_TD.new_empty(plan.num_recv_rows, D)
-        pend_dO = _launch_rows(plan, X.gather_send_rows(plan, grad_TD), dO_recv)
+        eager = ctx.eager
+        pend_dO = _launch_rows(plan, X.gather_send_rows(plan, grad_TD), dO_recv, eager)
         if ctx.redispatch:
             x_recv = x_saved.new_empty(plan.num_recv_rows, D)
-            pend_x = _launch_rows(plan, X.gather_send_rows(plan, x_saved), x_recv)
+            pend_x = _launch_rows(plan, X.gather_send_rows(plan, x_saved), x_recv, eager)
         else:
             x_recv, pend_x = x_saved, [Pending() for _ in range(N)]
         dx_send = grad_TD.new_empty(plan.num_send_rows, D)
         ct = torch.promote_types(grad_TD.dtype, torch.float32)
         ds_send = torch.empty(sum(map(sum, plan.send_pairs)), dtype=ct, device=grad_TD.device)
-        pend_back, keep = Pending(), []
+        pend_back, keep = Pending(eager), []
         want_w = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
         dw1 = dw2 = None
         for c in range(N):
@@ -114,7 +115,7 @@ class _EPExperts(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             shape, dtype = ctx.scores_meta
             ds_R = X.scatter_pair_grads(plan, ds_send, torch.empty(shape, dtype=dtype, device=grad_TD.device))
-        return dx_TD, ds_R, dw1, dw2, None, None, None, None, None
+        return dx_TD, ds_R, dw1, dw2, None, None, None, None, None, None
 
 
 def expert_parallel_experts(
@@ -133,6 +134,7 @@ def expert_parallel_experts(
     redispatch_x_in_backward: bool = False,
     wgrad: DeferredWeightGrad | None = None,
     return_plan: bool = False,
+    overlap: bool = True,
 ):
     """MoE experts under expert parallelism: O[t] = sum over token t's pairs (t, e, s) of s * expert_e(x[t]),
     where expert e lives on rank e // (E/P). Returns O [T, D] for this rank's tokens (and the plan with
@@ -154,6 +156,8 @@ def expert_parallel_experts(
             received rows' memory for one more all-to-all).
         wgrad: defer the weight-gradient GEMMs to ``wgrad.compute()`` (Megatron's backward_dw).
         return_plan: also return the ``EPPlan`` (split sizes, rounding decision; for tests and benchmarks).
+        overlap: ``False`` waits for every all-to-all right after launching it (same results, bitwise;
+            for benchmarks that measure how much all-to-all time the overlap hides).
     """
     ops = resolve_backend(backend, x_TD.device)
     if wgrad is not None and not (w1_EGD.is_leaf and w2_EDF.is_leaf):
@@ -170,7 +174,6 @@ def expert_parallel_experts(
         w2_EDF=w2_EDF,
         activation=activation,
     )
-    out = _EPExperts.apply(
-        x_TD.contiguous(), plan.scores_R, w1_EGD, w2_EDF, plan, ops, activation, redispatch_x_in_backward, wgrad
-    )
+    args = (plan, ops, activation, redispatch_x_in_backward, wgrad, overlap)
+    out = _EPExperts.apply(x_TD.contiguous(), plan.scores_R, w1_EGD, w2_EDF, *args)
     return (out, plan) if return_plan else out
