@@ -27,8 +27,13 @@ from quack import gemm_interface as qgemm
 
 from ..activations import GATED_ACTIVATIONS
 from ..routing import RoutingMetadata
-from ..triton import gather_sum
+from ..triton import compute_metadata_triton, gather_sum
 from .configs import heuristic_config, policy
+
+# Routing metadata for this backend: our Triton kernels (same contract and results as
+# ``routing.compute_metadata_torch``, checked bitwise on GPU in tests/test_cute_gpu.py). The shared interface
+# builds metadata before choosing ops; it can take this one with ``getattr(ops, "compute_metadata", ...)``.
+compute_metadata = compute_metadata_triton
 
 DTYPES = (torch.bfloat16, torch.float16)
 ALIGN = 8  # elements: QuACK's TMA/cp.async need 16-byte aligned rows (8 x 16-bit)
