@@ -229,10 +229,14 @@ class MoEExpertsFunction(torch.autograd.Function):
         return (dx_TD, dscores_R, dw1, dw2, None, None) + (None,) * len(meta_tensors)
 
 
-def compute_metadata(routing: Routing, num_experts: int) -> tuple[torch.Tensor, RoutingMetadata]:
-    """(flat scores_R with autograd, metadata) for a routing; device-side, no host sync."""
+def compute_metadata(
+    routing: Routing, num_experts: int, ops: ModuleType = torch_backend
+) -> tuple[torch.Tensor, RoutingMetadata]:
+    """(flat scores_R with autograd, metadata) for a routing; device-side, no host sync. A backend's op
+    module may bring its own metadata kernels (``ops.compute_metadata``, same contract); else PyTorch's."""
     token_idx_R, expert_idx_R, scores_R, token_offsets = flatten_routing(routing)
-    return scores_R, compute_metadata_torch(token_idx_R, expert_idx_R, token_offsets, num_experts)
+    build = getattr(ops, "compute_metadata", compute_metadata_torch)
+    return scores_R, build(token_idx_R, expert_idx_R, token_offsets, num_experts)
 
 
 def moe_experts(
@@ -263,7 +267,7 @@ def moe_experts(
     """
     validate_inputs(x_TD, routing, w1_EGD, w2_EDF, activation, check_indices)
     ops = resolve_backend(backend, x_TD.device)
-    scores_R, meta = compute_metadata(routing, w1_EGD.shape[0])
+    scores_R, meta = compute_metadata(routing, w1_EGD.shape[0], ops)
     x_TD = x_TD.contiguous()
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in (x_TD, scores_R, w1_EGD, w2_EDF))):
         # Inference: no autograd node and no H (SonicMoE stores only A). This must be decided here: inside

@@ -32,7 +32,7 @@ from .configs import heuristic_config, policy
 
 # Routing metadata for this backend: our Triton kernels (same contract and results as
 # ``routing.compute_metadata_torch``, checked bitwise on GPU in tests/test_cute_gpu.py). The shared interface
-# builds metadata before choosing ops; it can take this one with ``getattr(ops, "compute_metadata", ...)``.
+# builds metadata through ``interface.compute_metadata``, which takes this one when the backend is cute.
 compute_metadata = compute_metadata_triton
 
 DTYPES = (torch.bfloat16, torch.float16)
