@@ -177,4 +177,6 @@ def run(args) -> int:
                 "plan_ms": t_plan * 1e3,
             },
         )
+    dist.barrier()
+    dist.destroy_process_group()
     return 0

@@ -257,4 +257,6 @@ def run(args) -> int:
                 "baseline_error": baseline_error,
             },
         )
+    dist.barrier()
+    dist.destroy_process_group()
     return 0
