@@ -10,13 +10,14 @@ an all-to-all or kernel that leaves rows unwritten fails the comparison.
 from __future__ import annotations
 
 import functools
+import os
 import zlib
 
 import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_distributed
-from sonic_megatron.kernels import FlatRouting, TopKRouting, moe_experts, moe_experts_reference
+from sonic_megatron.kernels import FlatRouting, RoutingMetadata, TopKRouting, moe_experts, moe_experts_reference
 from sonic_megatron.token_dispatch import (
     DeferredWeightGrad,
     combine,
@@ -27,6 +28,11 @@ from sonic_megatron.token_dispatch import (
 )
 from test_kernels_helpers import within_torch_error
 
+# The Triton gather-sum of combine (its GPU path) runs interpreted on CPU; the flag is read when the
+# kernels are decorated, i.e. at the (lazy) import of sonic_megatron.kernels.triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 D, F, K = 16, 8, 3
 
 
@@ -277,7 +283,31 @@ def _bytes_worker(rank, P):
         expected_wire=(remote_rows, remote_pairs),
         pairs=T * K,
         recv_total=int(recv_total),
+        send_token_idx=plan.send_token_idx_S,
+        combine_meta=plan.combine_meta().tensors(),
+        send_rows_split=plan.send_rows,
     )
+
+
+def _check_combine_order(r) -> None:
+    """The combine metadata lists each token's send rows in destination order (CSR per token), and the
+    kernels' Triton gather-sum (GPU path; interpreted here) sums them like a per-token loop."""
+    tok = r["send_token_idx"]
+    meta = RoutingMetadata(*r["combine_meta"])
+    T = meta.token_offsets.numel() - 1
+    dest = torch.cat([torch.full((n,), p) for per in r["send_rows_split"] for p, n in enumerate(per)])
+    rows = torch.randn(tok.numel(), 8, generator=torch.Generator().manual_seed(0))
+    want = torch.zeros(T, 8)
+    for t in range(T):
+        j = meta.s_reverse_scatter_idx[meta.token_offsets[t] : meta.token_offsets[t + 1]].long()
+        assert bool((tok[j] == t).all()) and bool((dest[j][1:] > dest[j][:-1]).all())
+        want[t] = rows[(tok == t).nonzero().flatten()].sum(0)
+    assert int(meta.token_offsets[-1]) == tok.numel()
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+        from sonic_megatron.kernels.triton import gather_sum
+
+        got = gather_sum(rows.to(DEVICE), RoutingMetadata(*(t.to(DEVICE) for t in meta.tensors())), None)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("P", [2, 4])
@@ -286,6 +316,7 @@ def test_dedup_byte_accounting(P):
     total_sent = 0
     for rank, r in enumerate(res):
         assert r["send_rows"] == r["distinct"], f"rank {rank}: a token must cross to a rank once"
+        _check_combine_order(r)
         assert r["wire"] == r["expected_wire"], f"rank {rank}: {r['wire']} != {r['expected_wire']}"
         assert r["send_rows"] < r["pairs"], "dedup must send fewer rows than T*K"
         total_sent += r["send_rows"]

@@ -51,10 +51,15 @@ def gather_send_rows(plan: EPPlan, x_TD: torch.Tensor) -> torch.Tensor:
 
 def sum_rows_per_token(plan: EPPlan, rows_SD: torch.Tensor) -> torch.Tensor:
     """out[t] = sum of token t's returned rows, in destination-rank order, accumulated in fp32 (fp64 for
-    fp64): a segment sum in a fixed order, no atomics, so repeated runs are bitwise equal."""
+    fp64): a fixed-order sum, no atomics, so repeated runs are bitwise equal. On CUDA this is the kernels'
+    Triton gather-sum (one program per token walks its rows in order); elsewhere a segment sum."""
     T, D = plan.num_tokens, rows_SD.shape[1]
     if rows_SD.shape[0] == 0:
         return rows_SD.new_zeros(T, D)
+    if rows_SD.is_cuda and rows_SD.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        from ..kernels.triton import gather_sum
+
+        return gather_sum(rows_SD.contiguous(), plan.combine_meta(), None, pairs_per_token=plan.world_size)
     ct = torch.promote_types(rows_SD.dtype, torch.float32)
     ordered = rows_SD.index_select(0, plan.combine_order_S).to(ct)
     out = torch.segment_reduce(ordered, "sum", offsets=plan.combine_offsets, axis=0, unsafe=True)

@@ -93,6 +93,20 @@ class EPPlan:
         o = self._cum("recv_pairs")
         return o[c], o[c + 1]
 
+    def combine_meta(self) -> RoutingMetadata:
+        """The combine sum as routing metadata for the kernels' gather-sum: "pairs" are (token, destination)
+        rows in token order (``combine_order_S``), CSR ``combine_offsets`` per token."""
+        if "combine_meta" not in self._offsets:
+            order = self.combine_order_S.to(torch.int32)
+            self._offsets["combine_meta"] = RoutingMetadata(
+                expert_offsets=torch.zeros(2, dtype=torch.int32, device=order.device),
+                x_gather_idx=order,
+                s_scatter_idx=order,
+                s_reverse_scatter_idx=order,
+                token_offsets=self.combine_offsets.to(torch.int32),
+            )
+        return self._offsets["combine_meta"]
+
     @property
     def num_send_rows(self) -> int:
         return self._cum("send_rows")[-1]
