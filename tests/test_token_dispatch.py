@@ -274,6 +274,29 @@ def _bytes_worker(rank, P):
     distinct = {(t, e // L) for t in range(T) for e in idx[t]}
     remote_rows = sum(1 for _, d in distinct if d != rank)
     remote_pairs = sum(1 for t in range(T) for e in idx[t] if e // L != rank)
+    # What backward keeps (through saved_tensors_hooks, as activation offloading would see it).
+    saved = {}
+    for redispatch in (False, True):
+        shapes = []
+
+        def pack(t, shapes=shapes):
+            shapes.append(tuple(t.shape))
+            return t
+
+        x_leaf = x.detach().clone().requires_grad_()
+        w1, w2 = (case[k][rank * L : (rank + 1) * L].clone().requires_grad_() for k in ("w1", "w2"))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            expert_parallel_experts(
+                x_leaf,
+                routing,
+                w1,
+                w2,
+                group=dist.group.WORLD,
+                num_experts=8,
+                backend="torch",
+                redispatch_x_in_backward=redispatch,
+            )
+        saved[redispatch] = shapes
     recv_total = torch.tensor([plan.num_recv_rows])
     dist.all_reduce(recv_total)
     return dict(
@@ -286,6 +309,10 @@ def _bytes_worker(rank, P):
         send_token_idx=plan.send_token_idx_S,
         combine_meta=plan.combine_meta().tensors(),
         send_rows_split=plan.send_rows,
+        saved=saved,
+        recv_rows=plan.num_recv_rows,
+        recv_pairs=plan.num_recv_pairs,
+        T=T,
     )
 
 
@@ -319,6 +346,12 @@ def test_dedup_byte_accounting(P):
         _check_combine_order(r)
         assert r["wire"] == r["expected_wire"], f"rank {rank}: {r['wire']} != {r['expected_wire']}"
         assert r["send_rows"] < r["pairs"], "dedup must send fewer rows than T*K"
+        # Memory: backward keeps the received (deduplicated) rows, or only the local X with redispatch;
+        # never a (pairs x D) tensor. Saved: X rows, scores [Q], w1, w2, H [Q, 2F].
+        U, Q, T = r["recv_rows"], r["recv_pairs"], r["T"]
+        w_shapes = {(8 // P, 2 * F, D), (8 // P, D, F)}
+        assert sorted(r["saved"][False]) == sorted([(U, D), (Q,), (Q, 2 * F), *w_shapes]), r["saved"][False]
+        assert sorted(r["saved"][True]) == sorted([(T, D), (Q,), (Q, 2 * F), *w_shapes]), r["saved"][True]
         total_sent += r["send_rows"]
     assert res[0]["recv_total"] == total_sent
 

@@ -66,16 +66,16 @@ class _EPExperts(torch.autograd.Function):
         pend_y.wait()
         del x_send, keep
         out_TD = X.sum_rows_per_token(plan, y_send)
-        ctx.plan, ctx.ops, ctx.activation, ctx.hs = plan, ops, activation, hs
+        ctx.plan, ctx.ops, ctx.activation = plan, ops, activation
         ctx.redispatch, ctx.wgrad, ctx.eager = redispatch, wgrad, eager
         ctx.scores_meta = (scores_R.shape, scores_R.dtype)
         # Cache: received (deduplicated) token rows -- or only the local X with redispatch -- H, scores.
-        ctx.save_for_backward(x_TD if redispatch else x_recv, s_recv, w1, w2)
+        ctx.save_for_backward(x_TD if redispatch else x_recv, s_recv, w1, w2, *hs)
         return out_TD
 
     @staticmethod
     def backward(ctx, grad_TD):
-        x_saved, s_recv, w1, w2 = ctx.saved_tensors
+        x_saved, s_recv, w1, w2, *hs = ctx.saved_tensors
         plan, ops, N = ctx.plan, ctx.ops, ctx.plan.num_chunks
         grad_TD = grad_TD.contiguous()
         D = grad_TD.shape[1]
@@ -98,7 +98,7 @@ class _EPExperts(torch.autograd.Function):
             pend_x[c].wait()
             dO, x, meta = X.recv_rows(plan, dO_recv, c), X.recv_rows(plan, x_recv, c), plan.recv_meta[c]
             dx, ds, (ap, dH) = ops.backward_data(
-                dO, x, ctx.hs[c], X.recv_pairs(plan, s_recv, c), w1, w2, meta, ctx.activation
+                dO, x, hs[c], X.recv_pairs(plan, s_recv, c), w1, w2, meta, ctx.activation
             )
             ds = ds.to(ct)
             X.rows_to_sources(plan, dx, dx_send, c, pend_back)
@@ -107,7 +107,6 @@ class _EPExperts(torch.autograd.Function):
             if want_w:  # runs while chunk c's dX / dS all-to-alls are in flight
                 dw1, dw2 = _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, ctx.wgrad, dw1, dw2)
         pend_back.wait()
-        ctx.hs = None
         if dw1 is not None:
             dw1, dw2 = dw1.to(w1.dtype), dw2.to(w2.dtype)
         dx_TD = X.sum_rows_per_token(plan, dx_send) if ctx.needs_input_grad[0] else None

@@ -77,14 +77,14 @@ class _LocalExperts(torch.autograd.Function):
             )
             ys.append(o)
             hs.append(h)
-        ctx.plan, ctx.ops, ctx.activation, ctx.wgrad, ctx.hs = plan, ops, activation, wgrad, hs
+        ctx.plan, ctx.ops, ctx.activation, ctx.wgrad = plan, ops, activation, wgrad
         # Cached: the received (deduplicated) token rows, H per chunk, scores; never per-pair copies.
-        ctx.save_for_backward(x_UD, s_Q, w1, w2)
+        ctx.save_for_backward(x_UD, s_Q, w1, w2, *hs)
         return torch.cat(ys) if len(ys) > 1 else ys[0]
 
     @staticmethod
     def backward(ctx, dy_UD):
-        x_UD, s_Q, w1, w2 = ctx.saved_tensors
+        x_UD, s_Q, w1, w2, *hs = ctx.saved_tensors
         plan, ops = ctx.plan, ctx.ops
         dy_UD = dy_UD.contiguous()
         dxs, dss = [], []
@@ -92,14 +92,11 @@ class _LocalExperts(torch.autograd.Function):
         dw1 = dw2 = None
         for c in range(plan.num_chunks):
             dO, x, meta = X.recv_rows(plan, dy_UD, c), X.recv_rows(plan, x_UD, c), plan.recv_meta[c]
-            dx, ds, (ap, dH) = ops.backward_data(
-                dO, x, ctx.hs[c], X.recv_pairs(plan, s_Q, c), w1, w2, meta, ctx.activation
-            )
+            dx, ds, (ap, dH) = ops.backward_data(dO, x, hs[c], X.recv_pairs(plan, s_Q, c), w1, w2, meta, ctx.activation)
             dxs.append(dx)
             dss.append(ds)
             if want_w:
                 dw1, dw2 = _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, ctx.wgrad, dw1, dw2)
-        ctx.hs = None
         if dw1 is not None:
             dw1, dw2 = dw1.to(w1.dtype), dw2.to(w2.dtype)
         dx_UD = torch.cat(dxs) if len(dxs) > 1 else dxs[0]
