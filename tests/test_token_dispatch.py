@@ -372,3 +372,46 @@ def test_group_none_is_single_process():
         out.backward(case["grad"])
         for n, a, b in zip(NAMES, (out, x.grad, logits.grad, w1.grad, w2.grad), ref, strict=True):
             assert _max_err(a, b) <= 1e-12 * max(_scale(b), 1.0), f"{mode} {n}"
+
+
+def test_weight_grads_run_while_backward_all_to_all_in_flight(monkeypatch):
+    """Schedule of the pipelined backward: chunk c's dW GEMMs start after its dX/dS all-to-alls are
+    launched and before anything waits for them; forward launches every dispatch before computing."""
+    from sonic_megatron.kernels import torch_backend
+    from sonic_megatron.token_dispatch import comm, exchange
+
+    log = []
+
+    def wrap(mod, name):
+        orig = getattr(mod, name)
+
+        def f(*a, **k):
+            log.append(name)
+            return orig(*a, **k)
+
+        monkeypatch.setattr(mod, name, f)
+
+    for name in ("rows_to_experts", "rows_to_sources", "pairs_to_sources"):
+        wrap(exchange, name)
+    for name in ("forward", "backward_data", "backward_weights"):
+        wrap(torch_backend, name)
+    orig_wait = comm.Pending.wait
+    monkeypatch.setattr(comm.Pending, "wait", lambda self: (log.append("wait"), orig_wait(self))[1])
+    case = global_case("random", 1, seed=9)
+    off, T, x, logits, w1, w2 = _leaves(case, 0, 1, torch.float64)
+    out = expert_parallel_experts(
+        x, build_routing(case, logits, off, T), w1, w2, num_experts=case["E"], backend="torch", num_chunks=3
+    )
+    fwd = log[log.index("rows_to_experts") :]
+    assert fwd[:3] == ["rows_to_experts"] * 3, fwd  # all dispatches launched before the first expert
+    log.clear()
+    out.backward(case["grad"])
+    bwd = list(log)
+    for c in range(3):
+        i_dw = [i for i, e in enumerate(bwd) if e == "backward_weights"][c]
+        i_launch = [i for i, e in enumerate(bwd) if e == "rows_to_sources"][c]
+        assert i_launch < i_dw, bwd
+        waits_between = [e for e in bwd[i_launch:i_dw] if e == "wait"]
+        assert not waits_between, f"chunk {c}: dW must not wait for its all-to-all: {bwd}"
+    last_dw = max(i for i, e in enumerate(bwd) if e == "backward_weights")
+    assert "wait" in bwd[last_dw:], f"the backward all-to-alls are waited for after the last dW: {bwd}"
