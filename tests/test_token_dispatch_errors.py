@@ -48,6 +48,8 @@ def _bad(rank, P, case):
         a = _inputs(rank, P, dtype=torch.float32 if rank == 1 else torch.float64)
     elif case == "num_experts_differs":
         a = _inputs(rank, P, E=2 * E if rank == 1 else E)
+    elif case == "group_does_not_match_weights":  # weights sharded for an EP group half this size
+        a = _inputs(rank, P, L=2 * E // P)
     elif case == "wrong_local_expert_count":
         a = _inputs(rank, P, L=E // P + (rank == 1))
     elif case == "expert_index_out_of_range":
@@ -83,6 +85,7 @@ CASES = {  # case -> words the message must contain
     "hidden_size_differs": ["hidden size", "differs"],
     "dtype_differs": ["x.dtype", "differs"],
     "num_experts_differs": ["num_experts", "differs"],
+    "group_does_not_match_weights": ["rank 0", "rank 1", "w1.shape[0]", "num_experts / P"],
     "wrong_local_expert_count": ["rank 1", "w1.shape[0]"],
     "expert_index_out_of_range": ["rank 1", "expert indices", str(E)],
     "flat_tokens_unsorted": ["rank 1", "sorted"],
