@@ -65,6 +65,12 @@ def _bad(rank, P, case):
     elif case == "rounding_without_scores":
         a = _inputs(rank, P)
         kw = dict(rounding=TokenRounding(), rounding_scores_TE=None if rank == 1 else a["probs"])
+    elif case == "rounding_duplicate_pairs":  # rounding needs unique (token, expert) pairs
+        a = _inputs(rank, P)
+        tok = torch.tensor([0, 0, 1]) if rank == 1 else torch.tensor([0, 1, 2])
+        exp = torch.tensor([2, 2, 3]) if rank == 1 else torch.tensor([2, 3, 4])
+        a["routing"] = FlatRouting(tok, exp, torch.rand(3, dtype=torch.float64), T)
+        kw = dict(rounding=TokenRounding("up", 4), rounding_scores_TE=a["probs"])
     elif case == "rounding_differs":
         a = _inputs(rank, P)
         kw = dict(rounding=TokenRounding("up" if rank == 1 else "down", 4), rounding_scores_TE=a["probs"])
@@ -90,6 +96,7 @@ CASES = {  # case -> words the message must contain
     "expert_index_out_of_range": ["rank 1", "expert indices", str(E)],
     "flat_tokens_unsorted": ["rank 1", "sorted"],
     "rounding_without_scores": ["rank 1", "rounding_scores_TE"],
+    "rounding_duplicate_pairs": ["rank(s) [1]", "unique"],
     "rounding_differs": ["rounding mode", "differs"],
     "num_chunks_differs": ["num_chunks", "differs"],
     "routing_shape": ["rank 1", "scores_TK"],

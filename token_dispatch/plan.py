@@ -17,8 +17,9 @@ Collectives and host syncs of ``make_plan`` (each one needed to size NCCL buffer
     their inputs disagree) and ONE host copy of it (split sizes must be host ints for all_to_all_single; the header
     check rides along); then one all-to-all per chunk of the pairs' int32 metadata (sizes known).
   * rounding: the same all-gather (counts left empty) and host copy come first (so bad input fails
-    before rounding), then rounding's one candidate all-gather and one host sync (``nonzero``: the
-    rounded pair count), then the counts all-gather and its host copy.
+    before rounding), then rounding's one candidate all-gather and two host syncs (the all-ranks
+    duplicate-pair flags, a few bytes; ``nonzero``: the rounded pair count), then the counts all-gather
+    and its host copy.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ expert's rows come from all P source ranks, so the decision must be global:
   3. t_e < f_e: drop the f_e - t_e routed pairs of e with the lowest routing scores across the group;
      t_e > f_e: add the t_e - f_e tokens with the highest ``rounding_scores_TE[:, e]`` that did not route to e;
   4. each rank contributes its M lowest routed and M highest non-routed candidates per expert (enough,
-     since fewer than M move); one all-gather of [P, E, 2 + 4M] float64 (counts, T, scores and token ids)
+     since fewer than M move); one all-gather of [P, E, 3 + 4M] float64 (counts, T, a duplicate-pair flag,
+     scores and token ids)
      gives every rank the same candidate lists, and a stable sort gives the same cut everywhere with the
      tie-break (score, rank, token index) -- the order of the global token index on the concatenation, so
      the result equals single-process rounding of the concatenated tokens (``group=None``);
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .comm import all_gather, group_rank, group_size
+from .validation import EPInputError
 
 ROUNDING_MODES = ("nearest", "up", "down")
 
@@ -95,8 +97,9 @@ def round_routing(
         rounding: the mode and tile.
         group: EP process group (``None``: single process, i.e. the reference on concatenated tokens).
 
-    Host syncs: the candidate all-gather is device-to-device; reading the rounded pair count back
-    (``nonzero``) is one sync, needed because the pair count sizes the dispatch buffers.
+    Host syncs: the candidate all-gather is device-to-device; reading the duplicate flags of all ranks
+    back (a few bytes, so that all ranks raise together) and the rounded pair count (``nonzero``: it sizes
+    the dispatch buffers) are the syncs.
     """
     T, E, M = rounding_scores_TE.shape[0], num_experts, rounding.tile
     P, rank = group_size(group), group_rank(group)
@@ -120,18 +123,22 @@ def round_routing(
     add_key_ET = rounding_scores_TE.detach().double().t().masked_fill(routed_TE.t(), -inf)
     add_s, add_t = torch.sort(add_key_ET, dim=1, descending=True, stable=True)
 
-    pack = torch.full((E, 2 + 4 * M), -1.0, dtype=torch.float64, device=device)
+    # Columns: count, T, duplicate-pair flag, then four blocks of M: drop scores, drop tokens, add scores,
+    # add tokens.
+    C = 3
+    pack = torch.full((E, C + 4 * M), -1.0, dtype=torch.float64, device=device)
     pack[:, 0] = counts_E.double()
     pack[:, 1] = float(T)
+    pack[:, 2] = (counts_E.sum() != R).double()  # routed (token, expert) pairs must be unique
     j = torch.arange(k, device=device)
     drop_valid = j[None, :] < counts_E[:, None]
     add_valid = j[None, :] < (T - counts_E)[:, None]
-    pack[:, 2 : 2 + M] = inf
-    pack[:, 2 : 2 + k] = torch.where(drop_valid, drop_s[:, :k], inf)
-    pack[:, 2 + M : 2 + M + k] = torch.where(drop_valid, drop_t[:, :k].double(), -1.0)
-    pack[:, 2 + 2 * M : 2 + 3 * M] = -inf
-    pack[:, 2 + 2 * M : 2 + 2 * M + k] = torch.where(add_valid, add_s[:, :k], -inf)
-    pack[:, 2 + 3 * M : 2 + 3 * M + k] = torch.where(add_valid, add_t[:, :k].double(), -1.0)
+    pack[:, C : C + M] = inf
+    pack[:, C : C + k] = torch.where(drop_valid, drop_s[:, :k], inf)
+    pack[:, C + M : C + M + k] = torch.where(drop_valid, drop_t[:, :k].double(), -1.0)
+    pack[:, C + 2 * M : C + 3 * M] = -inf
+    pack[:, C + 2 * M : C + 2 * M + k] = torch.where(add_valid, add_s[:, :k], -inf)
+    pack[:, C + 3 * M : C + 3 * M + k] = torch.where(add_valid, add_t[:, :k].double(), -1.0)
     all_PE = all_gather(pack, group)  # the one extra collective of rounding
 
     f_E = all_PE[:, :, 0].sum(0).long()
@@ -155,8 +162,14 @@ def round_routing(
         mask_TE[rows.reshape(-1), e_idx.reshape(-1)] = True
         return mask_TE[:T]
 
-    drop_TE = cut(all_PE[:, :, 2 : 2 + M], all_PE[:, :, 2 + M : 2 + 2 * M], False, (-delta_E).clamp(min=0))
-    add_TE = cut(all_PE[:, :, 2 + 2 * M : 2 + 3 * M], all_PE[:, :, 2 + 3 * M :], True, delta_E.clamp(min=0))
+    dup_P = all_PE[:, 0, 2].tolist()  # host sync (tiny): every rank must see a bad rank and raise with it
+    if any(dup_P):
+        bad = [r for r, d in enumerate(dup_P) if d]
+        raise EPInputError(
+            f"token rounding: the routed (token, expert) pairs of rank(s) {bad} must be unique, got duplicates"
+        )
+    drop_TE = cut(all_PE[:, :, C : C + M], all_PE[:, :, C + M : C + 2 * M], False, (-delta_E).clamp(min=0))
+    add_TE = cut(all_PE[:, :, C + 2 * M : C + 3 * M], all_PE[:, :, C + 3 * M :], True, delta_E.clamp(min=0))
     keep_TE = routed_TE & ~drop_TE
     final_TE = keep_TE | add_TE
     # Host sync: the rounded pair count sizes everything downstream.
