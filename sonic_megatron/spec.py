@@ -96,12 +96,10 @@ def count_sonic_layers(spec) -> int:
     found = []
 
     def walk(obj, seen):
-        if id(obj) in seen:
+        if isinstance(obj, ModuleSpec) and obj.module is SonicMoELayer:
+            found.append(obj)  # counted per occurrence (block specs share one layer spec object)
             return
-        seen.add(id(obj))
-        if isinstance(obj, ModuleSpec):
-            if obj.module is SonicMoELayer:
-                found.append(obj)
+        if isinstance(obj, ModuleSpec):  # specs are DAGs (shared layer specs), never cycles
             walk(obj.submodules, seen)
         elif isinstance(obj, functools.partial):
             for v in obj.keywords.values():

@@ -79,12 +79,15 @@ def spawn(fn: Callable, world_size: int, *args, timeout: float = 300.0) -> None:
     errors = []
     try:
         for _ in range(world_size):
-            rank, err = queue.get(timeout=timeout)
+            # After a failure the other ranks are usually stuck in a collective: give them a short grace.
+            rank, err = queue.get(timeout=30 if errors else timeout)
             if err:
                 errors.append(f"rank {rank}:\n{err}")
+    except Exception:  # noqa: BLE001 - queue.Empty: ranks that never reported
+        errors.append("some ranks did not report (stuck after another rank failed, or timed out)")
     finally:
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=5)
             if p.is_alive():
                 p.kill()
     if errors:

@@ -1,0 +1,143 @@
+"""Spec swap (mixed dense/MoE blocks, MTP blocks, ready --spec layer specs) and construction-time
+validation of unsupported Megatron options and plugin options."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from sonic_megatron.config import SonicConfig, validate_megatron_config
+
+
+def _spec_worker(rank, world):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from sonic_megatron import spec as S
+    from sonic_megatron.experts import SonicExperts
+    from sonic_megatron.layer import SonicMoELayer
+    from sonic_megatron.router import SonicRouter
+    from sonic_megatron.testing import init_model_parallel, moe_config
+
+    init_model_parallel(ep=1)
+    config = moe_config(num_layers=4, moe_layer_freq=[0, 1, 0, 1], moe_shared_expert_intermediate_size=32)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    swapped = S.swap_moe_spec(block, SonicConfig(backend="torch"))
+    assert S.count_sonic_layers(block) == 0, "the input spec must not be modified"
+    assert S.count_sonic_layers(swapped) == 2
+    model = TransformerBlock(config, swapped)
+    kinds = [type(layer.mlp) for layer in model.layers]
+    assert kinds == [MLP, SonicMoELayer, MLP, SonicMoELayer], kinds
+    for layer in model.layers[1::2]:
+        assert layer.is_moe_layer and isinstance(layer.mlp, MoELayer)
+        assert isinstance(layer.mlp.experts, SonicExperts) and isinstance(layer.mlp.router, SonicRouter)
+        assert layer.mlp.shared_experts is not None, "shared experts of the original spec are kept"
+        assert layer.mlp.sonic.backend == "torch"
+    x = torch.randn(6, 2, config.hidden_size)
+    out = model(x, attention_mask=torch.triu(torch.ones(6, 6), 1).bool()[None, None])
+    out = out[0] if isinstance(out, tuple) else out
+    assert out.shape == x.shape and torch.isfinite(out).all()
+
+    mtp_config = moe_config(num_layers=2, mtp_num_layers=1)
+    mtp = get_gpt_mtp_block_spec(mtp_config, S.sonic_local_layer_spec, use_transformer_engine=False)
+    assert S.count_sonic_layers(S.swap_moe_spec(mtp)) >= 1
+
+    layer_spec = S.sonic_local_layer_spec
+    assert layer_spec.submodules.mlp.module is SonicMoELayer
+    block2 = TransformerBlock(moe_config(num_layers=2), layer_spec)
+    assert all(isinstance(layer.mlp, SonicMoELayer) for layer in block2.layers)
+
+
+@pytest.mark.slow
+def test_spec_swap_mixed_block_and_mtp():
+    from sonic_megatron.testing import spawn
+
+    spawn(_spec_worker, 1)
+
+
+def _cfg(**kw):
+    from megatron.core.activations import squared_relu
+
+    base = dict(
+        num_moe_experts=8,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        moe_apply_probs_on_input=False,
+        expert_tensor_parallel_size=1,
+        tensor_model_parallel_size=1,
+        moe_expert_capacity_factor=None,
+        moe_pad_expert_input_to_capacity=False,
+        moe_router_padding_for_quantization=False,
+        fp8=None,
+        fp4=None,
+        moe_latent_size=None,
+        moe_token_dispatcher_type="alltoall",
+        cuda_graph_impl="none",
+    )
+    base.update(kw)
+    base.setdefault("_relu2", squared_relu)
+    return types.SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize(
+    "overrides, option",
+    [
+        (dict(add_bias_linear=True), "add_bias_linear"),
+        (dict(moe_apply_probs_on_input=True), "moe_apply_probs_on_input"),
+        (dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size"),
+        (dict(moe_expert_capacity_factor=1.0), "moe_expert_capacity_factor"),
+        (dict(moe_pad_expert_input_to_capacity=True), "moe_pad_expert_input_to_capacity"),
+        (dict(moe_router_padding_for_quantization=True), "moe_router_padding_for_quantization"),
+        (dict(fp8="hybrid"), "fp8"),
+        (dict(moe_latent_size=64), "moe_latent_size"),
+        (dict(moe_token_dispatcher_type="flex"), "moe_token_dispatcher_type"),
+        (dict(activation_func=torch.tanh), "activation_func"),
+        (dict(num_moe_experts=None), "num_moe_experts"),
+        (dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["moe"]), "cuda_graph_scope"),
+    ],
+)
+def test_unsupported_megatron_options_fail_naming_the_option(overrides, option):
+    with pytest.raises(ValueError, match=option):
+        validate_megatron_config(_cfg(**overrides), SonicConfig())
+
+
+def test_supported_activations():
+    from megatron.core.activations import squared_relu
+
+    assert validate_megatron_config(_cfg(), SonicConfig()) == "swiglu"
+    assert validate_megatron_config(_cfg(activation_func=torch.nn.functional.gelu), SonicConfig()) == "geglu"
+    assert (
+        validate_megatron_config(_cfg(gated_linear_unit=False, activation_func=squared_relu), SonicConfig()) == "relu2"
+    )
+    # Megatron's own dispatcher (any type) is fine when only the experts are Sonic.
+    validate_megatron_config(_cfg(moe_token_dispatcher_type="flex"), SonicConfig(dispatcher="megatron"))
+
+
+def test_sonic_config_options_and_env():
+    with pytest.raises(ValueError, match="token_rounding"):
+        SonicConfig(token_rounding="sideways")
+    with pytest.raises(ValueError, match="token_rounding='up' needs dispatcher='sonic'"):
+        SonicConfig(dispatcher="megatron", token_rounding="up")
+    with pytest.raises(ValueError, match="num_chunks"):
+        SonicConfig(num_chunks=0)
+    cfg = SonicConfig.resolve(
+        SonicConfig(backend="torch"),
+        {
+            "SONIC_MEGATRON_TOKEN_ROUNDING": "up",
+            "SONIC_MEGATRON_ROUNDING_TILE": "16",
+            "SONIC_MEGATRON_REDISPATCH_X_IN_BACKWARD": "1",
+        },
+    )
+    assert (cfg.backend, cfg.token_rounding, cfg.rounding_tile, cfg.redispatch_x_in_backward) == (
+        "torch",
+        "up",
+        16,
+        True,
+    )
+    with pytest.raises(ValueError, match="SONIC_MEGATRON_NUM_CHUNKS must be an integer"):
+        SonicConfig.resolve(None, {"SONIC_MEGATRON_NUM_CHUNKS": "two"})
