@@ -15,6 +15,7 @@ Async collectives need no private streams: NCCL orders each one after the curren
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 
 from ..kernels.interface import resolve_backend
 from ..kernels.routing import FlatRouting, TopKRouting
@@ -26,10 +27,18 @@ from .stepwise import _weight_grads
 from .wgrad import DeferredWeightGrad
 
 
-def _launch_rows(plan: EPPlan, send_SD: torch.Tensor, recv_UD: torch.Tensor, eager: bool) -> list[Pending]:
+def _launch_rows(plan: EPPlan, x_TD: torch.Tensor, recv_UD: torch.Tensor, eager: bool, pair_send=None) -> list:
+    """Launch every chunk's row all-to-all (and, with ``pair_send = (send_R, recv_Q)``, its pair all-to-all
+    right after it), chunk by chunk: NCCL runs one group's collectives in launch order, so chunk c waits only
+    for chunks <= c. Each chunk's send rows are gathered just before its launch, so chunk 0 leaves early."""
+    send_SD = x_TD.new_empty(plan.num_send_rows, x_TD.shape[1])
     pend = [Pending(eager) for _ in range(plan.num_chunks)]
     for c in range(plan.num_chunks):
+        s0, s1 = plan.send_row_range(c)
+        torch.index_select(x_TD, 0, plan.send_token_idx_S[s0:s1], out=send_SD[s0:s1])
         X.rows_to_experts(plan, send_SD, X.recv_rows(plan, recv_UD, c), c, pend[c])
+        if pair_send is not None:
+            X.pairs_to_experts(plan, pair_send[0], X.recv_pairs(plan, pair_send[1], c), c, pend[c])
     return pend
 
 
@@ -37,35 +46,33 @@ class _EPExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, scores_R, w1, w2, plan, ops, activation, redispatch, wgrad, overlap):
         N, D, eager = plan.num_chunks, x_TD.shape[1], not overlap
-        x_send = X.gather_send_rows(plan, x_TD)
         x_recv = x_TD.new_empty(plan.num_recv_rows, D)
-        pend_x = _launch_rows(plan, x_send, x_recv, eager)
         s_send = X.send_pair_scores(plan, scores_R.detach())
         s_recv = s_send.new_empty(plan.num_recv_pairs)
-        pend_s = [Pending(eager) for _ in range(N)]
-        for c in range(N):
-            X.pairs_to_experts(plan, s_send, X.recv_pairs(plan, s_recv, c), c, pend_s[c])
+        with record_function("ep.fwd.dispatch_launch"):
+            pend_x = _launch_rows(plan, x_TD, x_recv, eager, (s_send, s_recv))
         store_h = any(ctx.needs_input_grad[:4])
         y_send = x_TD.new_empty(plan.num_send_rows, D)
         pend_y, hs, keep = Pending(eager), [], []
         for c in range(N):
-            pend_x[c].wait()
-            pend_s[c].wait()
-            o, h = ops.forward(
-                X.recv_rows(plan, x_recv, c),
-                X.recv_pairs(plan, s_recv, c),
-                w1,
-                w2,
-                plan.recv_meta[c],
-                activation,
-                store_h,
-            )
+            pend_x[c].wait()  # chunk c's rows and scores
+            with record_function(f"ep.fwd.experts[{c}]"):
+                o, h = ops.forward(
+                    X.recv_rows(plan, x_recv, c),
+                    X.recv_pairs(plan, s_recv, c),
+                    w1,
+                    w2,
+                    plan.recv_meta[c],
+                    activation,
+                    store_h,
+                )
             X.rows_to_sources(plan, o, y_send, c, pend_y)
             keep.append(o)  # alive until its all-to-all completes
             hs.append(h)
         pend_y.wait()
-        del x_send, keep
-        out_TD = X.sum_rows_per_token(plan, y_send)
+        del keep
+        with record_function("ep.fwd.combine_sum"):
+            out_TD = X.sum_rows_per_token(plan, y_send)
         ctx.plan, ctx.ops, ctx.activation = plan, ops, activation
         ctx.redispatch, ctx.wgrad, ctx.eager = redispatch, wgrad, eager
         ctx.scores_meta = (scores_R.shape, scores_R.dtype)
@@ -81,12 +88,13 @@ class _EPExperts(torch.autograd.Function):
         D = grad_TD.shape[1]
         dO_recv = grad_TD.new_empty(plan.num_recv_rows, D)
         eager = ctx.eager
-        pend_dO = _launch_rows(plan, X.gather_send_rows(plan, grad_TD), dO_recv, eager)
-        if ctx.redispatch:
-            x_recv = x_saved.new_empty(plan.num_recv_rows, D)
-            pend_x = _launch_rows(plan, X.gather_send_rows(plan, x_saved), x_recv, eager)
-        else:
-            x_recv, pend_x = x_saved, [Pending() for _ in range(N)]
+        with record_function("ep.bwd.dispatch_launch"):
+            pend_dO = _launch_rows(plan, grad_TD, dO_recv, eager)
+            if ctx.redispatch:
+                x_recv = x_saved.new_empty(plan.num_recv_rows, D)
+                pend_x = _launch_rows(plan, x_saved, x_recv, eager)
+            else:
+                x_recv, pend_x = x_saved, [Pending() for _ in range(N)]
         dx_send = grad_TD.new_empty(plan.num_send_rows, D)
         ct = torch.promote_types(grad_TD.dtype, torch.float32)
         ds_send = torch.empty(sum(map(sum, plan.send_pairs)), dtype=ct, device=grad_TD.device)
@@ -97,19 +105,22 @@ class _EPExperts(torch.autograd.Function):
             pend_dO[c].wait()
             pend_x[c].wait()
             dO, x, meta = X.recv_rows(plan, dO_recv, c), X.recv_rows(plan, x_recv, c), plan.recv_meta[c]
-            dx, ds, (ap, dH) = ops.backward_data(
-                dO, x, hs[c], X.recv_pairs(plan, s_recv, c), w1, w2, meta, ctx.activation
-            )
-            ds = ds.to(ct)
+            with record_function(f"ep.bwd.data[{c}]"):
+                dx, ds, (ap, dH) = ops.backward_data(
+                    dO, x, hs[c], X.recv_pairs(plan, s_recv, c), w1, w2, meta, ctx.activation
+                )
+                ds = ds.to(ct)
             X.rows_to_sources(plan, dx, dx_send, c, pend_back)
             X.pairs_to_sources(plan, ds, ds_send, c, pend_back)
             keep.append((dx, ds))
             if want_w:  # runs while chunk c's dX / dS all-to-alls are in flight
-                dw1, dw2 = _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, ctx.wgrad, dw1, dw2)
+                with record_function(f"ep.bwd.weights[{c}]"):
+                    dw1, dw2 = _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, ctx.wgrad, dw1, dw2)
         pend_back.wait()
         if dw1 is not None:
             dw1, dw2 = dw1.to(w1.dtype), dw2.to(w2.dtype)
-        dx_TD = X.sum_rows_per_token(plan, dx_send) if ctx.needs_input_grad[0] else None
+        with record_function("ep.bwd.combine_sum"):
+            dx_TD = X.sum_rows_per_token(plan, dx_send) if ctx.needs_input_grad[0] else None
         ds_R = None
         if ctx.needs_input_grad[1]:
             shape, dtype = ctx.scores_meta
@@ -161,18 +172,19 @@ def expert_parallel_experts(
     ops = resolve_backend(backend, x_TD.device)
     if wgrad is not None and not (w1_EGD.is_leaf and w2_EDF.is_leaf):
         raise ValueError("expert_parallel_experts: with wgrad, w1 and w2 must be leaf tensors (parameters)")
-    plan = make_plan(
-        routing,
-        num_experts=num_experts,
-        group=group,
-        rounding=rounding,
-        rounding_scores_TE=rounding_scores_TE,
-        num_chunks=num_chunks,
-        x_TD=x_TD,
-        w1_EGD=w1_EGD,
-        w2_EDF=w2_EDF,
-        activation=activation,
-    )
+    with record_function("ep.plan"):
+        plan = make_plan(
+            routing,
+            num_experts=num_experts,
+            group=group,
+            rounding=rounding,
+            rounding_scores_TE=rounding_scores_TE,
+            num_chunks=num_chunks,
+            x_TD=x_TD,
+            w1_EGD=w1_EGD,
+            w2_EDF=w2_EDF,
+            activation=activation,
+        )
     args = (plan, ops, activation, redispatch_x_in_backward, wgrad, overlap)
     out = _EPExperts.apply(x_TD.contiguous(), plan.scores_R, w1_EGD, w2_EDF, *args)
     return (out, plan) if return_plan else out

@@ -236,9 +236,11 @@ def make_plan(
     else:
         slot = counts_slot()
     # The one host sync of the plan without rounding: header + split sizes (the header check rides along).
-    gathered = all_gather(torch.cat([hdr, slot]), group).tolist()
+    gathered_dev = all_gather(torch.cat([hdr, slot]), group)
+    gathered = gathered_dev.tolist()
     V.check_headers([g[: V.HEADER_LEN] for g in gathered], error, group, num_experts)
     counts_P = [g[V.HEADER_LEN :] for g in gathered]
+    counts_dev = gathered_dev[:, V.HEADER_LEN :]  # the same counts on the device (receive metadata)
     rounded = None
     if rounding is not None:
         rounded = round_routing(
@@ -246,7 +248,8 @@ def make_plan(
         )
         tok_R, exp_R, scores_R = rounded.token_idx_R, rounded.expert_idx_R, rounded.scores_R
         order, seg_s, tok_s, dest_s, row_of_pair, rows_NP, pairs_NP = _send_layout(tok_R, exp_R, T, L, P, N)
-        counts_P = all_gather(counts_slot(rows_NP, pairs_NP), group).tolist()  # host sync: sizes after rounding
+        counts_dev = all_gather(counts_slot(rows_NP, pairs_NP), group)
+        counts_P = counts_dev.tolist()  # host sync: sizes after rounding
 
     # Host split sizes [N][P].
     def split(src: int, c: int, pairs: bool) -> list[int]:
@@ -303,15 +306,51 @@ def make_plan(
             all_to_all(recv_meta_Q2[r0:r1], pair_meta_R2[s0:s1], recv_pairs[c], send_pairs[c], group, async_op=True)
         )
     pending.wait()
-    for c in range(N):
-        r0, r1 = plan.recv_pair_range(c)
-        Q = r1 - r0
-        U = sum(recv_rows[c])
-        src_Q = torch.repeat_interleave(
-            torch.arange(P, device=device), torch.tensor(recv_pairs[c], device=device), output_size=Q
-        )
-        row_off_P = torch.tensor([0] + recv_rows[c][:-1], device=device, dtype=torch.int64).cumsum(0)
-        row_Q = recv_meta_Q2[r0:r1, 0].long() + row_off_P[src_Q]
-        token_offsets = torch.searchsorted(row_Q, torch.arange(U + 1, device=device, dtype=torch.int64))
-        plan.recv_meta.append(compute_metadata_torch(row_Q.int(), recv_meta_Q2[r0:r1, 1], token_offsets.int(), L))
+    plan.recv_meta = _recv_metadata(plan, recv_meta_Q2, counts_dev)
     return plan
+
+
+def _metadata_builder(device: torch.device):
+    """The kernels' Triton metadata on CUDA (4 launches, same results as PyTorch's), PyTorch's elsewhere."""
+    if device.type == "cuda":
+        try:
+            from ..kernels.triton import compute_metadata_triton
+
+            return compute_metadata_triton
+        except ImportError:  # no Triton: PyTorch's ops (same contract)
+            pass
+    return compute_metadata_torch
+
+
+def _recv_metadata(plan: EPPlan, recv_meta_Q2: torch.Tensor, counts_dev: torch.Tensor) -> list[RoutingMetadata]:
+    """Per chunk, RoutingMetadata of the received pairs over the L local experts (rows index that chunk's
+    receive buffer). Built ONCE for all chunks -- experts (chunk, local expert), N*L of them, so chunk c's
+    expert-sorted rows are exactly its pair range -- then shifted per chunk (5 int32 ops a chunk). Split
+    sizes come from the device copy of the counts exchange: no host-to-device copy, no stream sync."""
+    N, P, L, rank, device = plan.num_chunks, plan.world_size, plan.num_local_experts, plan.rank, counts_dev.device
+    Q, U = plan.num_recv_pairs, plan.num_recv_rows
+    cols = rank + P * torch.arange(N, device=device)  # column of (chunk c, destination = this rank)
+    recv_rows_NP = counts_dev[:, cols].t().reshape(-1)  # [(chunk, source)] rows received
+    recv_pairs_NP = counts_dev[:, V.MAX_CHUNKS * P + cols].t().reshape(-1)
+    seg_Q = torch.repeat_interleave(torch.arange(N * P, device=device), recv_pairs_NP, output_size=Q)
+    seg_row0 = torch.cumsum(recv_rows_NP, 0) - recv_rows_NP  # first receive row of each (chunk, source)
+    row_Q = recv_meta_Q2[:, 0].long() + seg_row0[seg_Q]  # row in the whole receive buffer (non-decreasing)
+    key_Q = torch.div(seg_Q, P, rounding_mode="floor") * L + recv_meta_Q2[:, 1].long()
+    token_offsets = torch.searchsorted(row_Q, torch.arange(U + 1, device=device, dtype=torch.int64))
+    meta = _metadata_builder(device)(row_Q.int(), key_Q.int(), token_offsets.int(), N * L)
+    if N == 1:
+        return [meta]
+    out = []
+    for c in range(N):
+        q0, q1 = plan.recv_pair_range(c)
+        u0, u1 = plan.recv_row_range(c)
+        out.append(
+            RoutingMetadata(
+                expert_offsets=meta.expert_offsets[c * L : (c + 1) * L + 1] - q0,
+                x_gather_idx=meta.x_gather_idx[q0:q1] - u0,
+                s_scatter_idx=meta.s_scatter_idx[q0:q1] - q0,
+                s_reverse_scatter_idx=meta.s_reverse_scatter_idx[q0:q1] - q0,
+                token_offsets=meta.token_offsets[u0 : u1 + 1] - q0,
+            )
+        )
+    return out

@@ -181,7 +181,6 @@ def header(
     device: torch.device,
 ) -> torch.Tensor:
     """The int64 header of this rank (fields in the module docstring) on ``device``."""
-    h = torch.full((HEADER_LEN,), -1, dtype=torch.int64, device=device)
     vals = {
         0: int(error),
         1: num_tokens,
@@ -199,7 +198,11 @@ def header(
         16: -1 if activation is None else (ACTIVATIONS.index(activation) if activation in ACTIVATIONS else 99),
         17: top_k,
     }
-    h[list(vals)] = torch.tensor(list(vals.values()), dtype=torch.int64, device=device)
+    host = [-1] * HEADER_LEN
+    for i, v in vals.items():
+        host[i] = v
+    # Built on the host and copied without a stream sync (a blocking H2D copy would wait for the GPU).
+    h = torch.tensor(host, dtype=torch.int64).to(device, non_blocking=True)
     if index_stats is not None and not error:
         h[10:13] = index_stats
     return h
