@@ -88,20 +88,24 @@ class SonicExperts(MegatronModule):
             p.tensor_model_parallel = True
             p.partition_dim = dim
             p.partition_stride = 1
-        delay = bool(getattr(config, "delay_wgrad_compute", False))
-        if delay:
-            for p in (self.weight1, self.weight2):
-                p.skip_backward_post_hook = True
+        self.__init_wgrad__()
+        self.register_load_state_dict_post_hook(drop_extra_state_keys)
+
+    def __init_wgrad__(self) -> None:
+        """(Re)build the weight-gradient sink from ``config.delay_wgrad_compute`` and
+        ``config.gradient_accumulation_fusion``."""
+        delay = bool(getattr(self.config, "delay_wgrad_compute", False))
+        for p in (self.weight1, self.weight2):
+            p.skip_backward_post_hook = delay
         self.wgrad = WeightGradSink(
             (self.weight1, self.weight2),
-            fuse_main_grad=bool(getattr(config, "gradient_accumulation_fusion", False)),
+            fuse_main_grad=bool(getattr(self.config, "gradient_accumulation_fusion", False)),
             delay=delay,
         )
         if delay:
             from .token_dispatch import DeferredWeightGrad
 
             self.wgrad.ep_deferred = DeferredWeightGrad()
-        self.register_load_state_dict_post_hook(drop_extra_state_keys)
 
     @torch.no_grad()
     def _init_weights(self) -> None:

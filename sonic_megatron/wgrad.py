@@ -62,6 +62,7 @@ class WeightGradSink:
     def num_pending(self) -> int:
         return len(self._pending) + (self.ep_deferred.num_pending if self.ep_deferred is not None else 0)
 
+    @torch.no_grad()  # backward_dw runs outside autograd's backward; the saved tensors may require grad
     def compute(self) -> None:
         """Run every recorded weight-gradient computation, accumulate, then fire DDP's hooks."""
         if not self.num_pending:
@@ -80,7 +81,7 @@ class WeightGradSink:
                 else:
                     p.grad.add_(g.to(p.grad.dtype))
         for hook in self._hooks:
-            hook()
+            hook(None)  # DDP's hook takes (*unused)
 
     def register_hook(self, hook: Callable) -> None:
         self._hooks.append(hook)
