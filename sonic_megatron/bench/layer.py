@@ -10,8 +10,19 @@ Providers (same routing, same weights, bf16):
   * ``megatron`` -- Megatron-core's ``MoEAlltoAllTokenDispatcher`` (unfused permute) + an experts module of
     two ``torch._grouped_mm`` calls with SwiGLU and the probs applied after the activation (Megatron's
     GroupedMLP order); autograd backward.
-The share of all-to-all time hidden = (time without overlap - time with overlap) / (time of the layer's
-all-to-alls alone: dispatch + combine in forward, dO + dX in backward, run back to back), clipped to [0, 1].
+The share of all-to-all time hidden, per chunk count N:
+    a2a_hidden = clip((t(N, overlap off) - t(N, overlap on)) / t_a2a(N), 0, 1)
+where "overlap off" makes the compute stream wait for every all-to-all right after its launch (same kernels,
+same bits) and t_a2a(N) is the layer's all-to-alls alone with the SAME N-chunk plan (forward: rows + scores
+to the experts, rows back; backward: dO rows to the experts, dX rows and dS back), run back to back. It is
+the share of the N-chunk layer's own communication that the schedule hides; it reads right only when the
+layer is GPU-bound (host_ms well below ms): a host-bound layer hides all-to-alls in launch gaps too.
+``host_ms`` is the time until the Python call (forward + backward) returns, before the final device sync.
+``rel_diff_out`` / ``rel_diff_dx``: max relative difference of the output / dX against the first
+``--chunks`` value (a check of the chunk plumbing; chunking only changes dW's rounding).
+``bitwise`` says whether the output and all gradients with overlap equal those without, bit for bit.
+``--profile DIR`` also runs torch.profiler over a few steps per chunk count (overlap on) and writes, per
+rank 0, a table of the ``ep.*`` phase ranges and the top kernels (device and host time) and a Chrome trace.
 Router and token rounding are outside the timed region (both providers get the same top-K routing).
 On CPUs (``--device cpu``, gloo) Megatron's dispatcher runs with four documented monkeypatches (fake CUDA
 streams etc.; docs MEGATRON.md 11.1); use tiny sizes there -- it checks the plumbing, not speed.
@@ -35,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", default="1,2", help="comma-separated num_chunks values for ours (default 1,2)")
     parser.add_argument("--backend", default="auto", help="kernels backend for ours: auto|torch|cute (default auto)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the Megatron baseline")
+    parser.add_argument(
+        "--profile", default=None, help="directory for torch.profiler tables/traces of ours (rank 0); off if unset"
+    )
+    parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps per chunk count (default 3)")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -143,18 +158,95 @@ def megatron_layer(disp, x, routing_map, probs_TE, w1_LDG, w2_LFD):
 
 
 def _a2a_alone(plan, x, device, args) -> float:
-    """Seconds of the layer's row all-to-alls alone (fwd dispatch + combine, bwd dO dispatch + dX back)."""
+    """Seconds of the layer's all-to-alls alone with this plan (its chunking): forward rows + scores to the
+    experts and rows back, backward dO rows to the experts and dX rows + dS back."""
+    from ..token_dispatch import exchange as X
+    from ..token_dispatch.comm import Pending
     from ..token_dispatch.stepwise import _all_rows, _all_rows_back
 
     send = x.index_select(0, plan.send_token_idx_S)
     recv = _all_rows(plan, send)
+    s_send = torch.zeros(plan.send_pair_idx.numel(), dtype=torch.float32, device=device)
+    s_recv = s_send.new_empty(plan.num_recv_pairs)
+
+    def pairs(to_experts: bool):
+        pend = Pending()
+        for c in range(plan.num_chunks):
+            if to_experts:
+                X.pairs_to_experts(plan, s_send, X.recv_pairs(plan, s_recv, c), c, pend)
+            else:
+                X.pairs_to_sources(plan, X.recv_pairs(plan, s_recv, c), s_send, c, pend)
+        pend.wait()
 
     def fn():
-        for _ in range(2):
-            _all_rows(plan, send)
-            _all_rows_back(plan, recv)
+        _all_rows(plan, send)  # forward dispatch
+        pairs(True)
+        _all_rows_back(plan, recv)  # forward combine
+        _all_rows(plan, send)  # backward dO
+        _all_rows_back(plan, recv)  # backward dX
+        pairs(False)
 
     return timed(fn, device, args.warmup, args.iters)
+
+
+def _timed_host(fn, device, warmup: int, iters: int) -> tuple[float, float]:
+    """(median seconds, median host seconds until ``fn`` returns), max over ranks."""
+    import statistics
+    import time
+
+    from .dispatch import sync
+
+    for _ in range(warmup):
+        fn()
+    total, host = [], []
+    for _ in range(iters):
+        sync(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t0)
+        sync(device)
+        total.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(total), statistics.median(host)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0]), float(t[1])
+
+
+def _profile(fn, chunks: int, steps: int, out_dir: str, rank: int, device) -> None:
+    """torch.profiler over ``steps`` calls; rank 0 writes the phase/kernel table and a Chrome trace."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from .dispatch import sync
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    dist.barrier()
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            fn()
+        sync(device)
+    if rank != 0:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    dev_key = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    avgs = prof.key_averages()
+    lines = [f"profile chunks={chunks}, overlap on, {steps} steps, rank 0 (times are totals over the steps)"]
+    lines.append(f"{'name':60s} {'calls':>6s} {'host ms':>9s} {'device ms':>10s}")
+    rows = sorted(avgs, key=lambda e: getattr(e, dev_key, 0.0), reverse=True)
+    phases = [e for e in rows if e.key.startswith("ep.")]
+    others = [e for e in rows if not e.key.startswith("ep.")][:30]
+    for title, group in (("-- phases (ep.* ranges)", phases), ("-- top ops/kernels by device time", others)):
+        lines.append(title)
+        for e in group:
+            dev_us = getattr(e, dev_key, 0.0)
+            lines.append(f"{e.key[:60]:60s} {e.count:6d} {e.cpu_time_total / 1e3:9.3f} {dev_us / 1e3:10.3f}")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    with open(os.path.join(out_dir, f"profile_chunks{chunks}.txt"), "w") as f:
+        f.write(text + "\n")
+    prof.export_chrome_trace(os.path.join(out_dir, f"trace_chunks{chunks}_rank0.json"))
 
 
 def run(args) -> int:
@@ -193,13 +285,41 @@ def run(args) -> int:
 
         return fn
 
-    for chunks in [int(c) for c in args.chunks.split(",")]:
+    def grads_of(fn):
+        for t in (x, scores, w1, w2):
+            t.grad = None
+        out = fn().detach()
+        return [out] + [t.grad.clone() for t in (x, scores, w1, w2)]
+
+    chunk_list = [int(c) for c in args.chunks.split(",")]
+    first = None
+    if args.profile:
+        for chunks in chunk_list:
+            fn = ours(chunks, True)
+            for _ in range(args.warmup):
+                fn()
+            _profile(fn, chunks, args.profile_steps, args.profile, rank, device)
+    t_a2a = {}
+    for chunks in chunk_list:
+        ref = grads_of(ours(chunks, False))
+        same = all(torch.equal(a, b) for a, b in zip(ref, grads_of(ours(chunks, True)), strict=True))
+        # Sanity of the chunk metadata: output and dX against the first chunk count (max relative diff).
+        first = first if chunks != chunk_list[0] else ref
+        rel = [
+            (a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-6)
+            for a, b in zip(ref[:2], first[:2], strict=True)
+        ]
+        flag = torch.stack([torch.tensor(0.0 if same else 1.0, device=device), *[r.to(device) for r in rel]])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         for overlap in (True, False):
-            t = timed(ours(chunks, overlap), device, args.warmup, args.iters)
-            results.append(dict(provider="ours", chunks=chunks, overlap=overlap, ms=t * 1e3, tokens_per_s=P * T / t))
+            t, t_host = _timed_host(ours(chunks, overlap), device, args.warmup, args.iters)
+            row = dict(provider="ours", chunks=chunks, overlap=overlap, ms=t * 1e3, host_ms=t_host * 1e3)
+            row.update(tokens_per_s=P * T / t, bitwise=bool(flag[0].item() == 0.0))
+            row.update(rel_diff_out=float(flag[1]), rel_diff_dx=float(flag[2]))
+            results.append(row)
+        plan = make_plan(routing, num_experts=E, group=group, x_TD=x0, num_chunks=chunks)
+        t_a2a[chunks] = _a2a_alone(plan, x0, device, args)
     outputs["ours"] = ours(1, True)().detach()
-    plan = make_plan(routing, num_experts=E, group=group, x_TD=x0)
-    t_a2a = _a2a_alone(plan, x0, device, args)
 
     baseline_error = None
     if not args.no_baseline:
@@ -226,10 +346,12 @@ def run(args) -> int:
         if r["provider"] == "ours":
             best.setdefault(r["chunks"], {})[r["overlap"]] = r["ms"] / 1e3
     for r in results:
+        if r["provider"] == "ours":
+            r["a2a_alone_ms"] = t_a2a[r["chunks"]] * 1e3
         if r["provider"] == "ours" and r["overlap"]:
-            t_on, t_off = best[r["chunks"]][True], best[r["chunks"]][False]
-            r["a2a_hidden"] = max(0.0, min(1.0, (t_off - t_on) / t_a2a)) if t_a2a > 0 else None
-    summary = {"a2a_alone_ms": t_a2a * 1e3}
+            t_on, t_off, t_c = best[r["chunks"]][True], best[r["chunks"]][False], t_a2a[r["chunks"]]
+            r["a2a_hidden"] = max(0.0, min(1.0, (t_off - t_on) / t_c)) if t_c > 0 else None
+    summary = {f"a2a_alone_ms_chunks{c}": t * 1e3 for c, t in t_a2a.items()}
     if "megatron" in outputs:
         mg = next(r for r in results if r["provider"] == "megatron")
         fastest = min(r["ms"] for r in results if r["provider"] == "ours")
@@ -241,7 +363,8 @@ def run(args) -> int:
         summary["max_rel_diff_ours_vs_megatron"] = float(rel)
     if rank == 0:
         print(f"bench layer: P={P} T={T} d={D} n={Fn} E={E} K={K} {args.dtype} on {device.type}")
-        print_table(results, ["provider", "chunks", "overlap", "ms", "tokens_per_s", "a2a_hidden"])
+        cols = ["provider", "chunks", "overlap", "ms", "host_ms", "tokens_per_s", "a2a_alone_ms", "a2a_hidden"]
+        print_table(results, cols + ["bitwise", "rel_diff_out", "rel_diff_dx"])
         print(", ".join(f"{k} {v:.3g}" for k, v in summary.items()))
         if baseline_error:
             print(f"megatron baseline failed: {baseline_error}")
