@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""Megatron-integration GPU pass in ONE device call (nvidia-h200-x4, megatron-core 0.19.2 from the bundle):
+
+    source .devbundle/setup.sh; python scripts/gpu_megatron.py      # logs + JSON under $OUT (default ./out)
+
+Steps (each its own subprocess with a time limit; a failure or timeout is recorded in
+$OUT/gpu_megatron_summary.json and the next step still runs; the pass stays under TOTAL_S, default 470 s):
+  1. compare   torchrun x4: SonicMoELayer vs stock MoELayer (same weights) at EP=1, 2, 4 on NCCL: bf16 with
+               the GPU backend (auto = cute on H100/H200) and fp32 with the torch backend, random / one-expert /
+               rank-0-only routings, shared experts (+ overlap), Megatron's dispatcher with Sonic experts.
+               Rule: error vs a float64 stock run <= 2x the stock layer's own error (+1e-6 of the magnitude).
+  2. curves    bench train, 2-layer OLMoE-like model, 60 steps, plugin vs stock from the same seed (loss curves).
+  3. rounding  the same with token rounding (nearest, tile 128), plugin only.
+  4. bench     bench train, 4-layer OLMoE-like model (EP=4): tokens/s/GPU and peak memory, plugin vs stock.
+  5. twonode   examples/demo.py as two torchrun "nodes" of 2 GPUs (localhost rendezvous, EP=4).
+  6. overlap   examples/pretrain_gpt_sonic.py with --overlap-moe-expert-parallel-comm --delay-wgrad-compute.
+Env: OUT, TOTAL_S. ``python scripts/gpu_megatron.py compare --out DIR`` is step 1's worker (under torchrun).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+
+
+def _step(name: str, cmd: list[str], limit: float, out: str, summary: dict, env: dict | None = None) -> None:
+    log = os.path.join(out, f"{name}.log")
+    print(f"=== {name} (limit {limit:.0f} s): {' '.join(cmd)}", flush=True)
+    t0 = time.time()
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(
+                cmd, stdout=f, stderr=subprocess.STDOUT, timeout=limit, cwd=ROOT, env={**os.environ, **(env or {})}
+            ).returncode
+            status = "ok" if rc == 0 else f"failed (rc {rc})"
+        except subprocess.TimeoutExpired:
+            status = f"timed out after {limit:.0f} s"
+        except Exception as exc:  # noqa: BLE001 - keep going with the next step
+            status = f"could not run: {exc}"
+    summary[name] = {"status": status, "seconds": round(time.time() - t0, 1), "log": log}
+    with open(log) as f:
+        print("".join(line for line in f.read()[-4000:].splitlines(True) if "warn" not in line.lower()), flush=True)
+    print(f"--- {name}: {status} in {time.time() - t0:.0f} s", flush=True)
+    with open(os.path.join(out, "gpu_megatron_summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+
+
+def _torchrun(nproc: int, *args: str, nnodes: int = 1, node_rank: int = 0, port: int = 29511) -> list[str]:
+    return [
+        PY, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}",
+        f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}", *args,
+    ]  # fmt: skip
+
+
+def driver() -> int:
+    out = os.path.abspath(os.environ.get("OUT", "out"))
+    os.makedirs(out, exist_ok=True)
+    total = float(os.environ.get("TOTAL_S", "470"))
+    t_start = time.time()
+    summary: dict = {}
+    bench = [PY, "-m", "sonic_megatron", "bench", "train"]
+    plan = [
+        ("compare", _torchrun(4, __file__, "compare", "--out", out), 110),
+        ("curves", [*bench, "--layers", "2", "--seq", "1024", "--steps", "60", "--warmup", "0",
+                    "--json", os.path.join(out, "train_curves.json")], 110),
+        ("rounding", [*bench, "--layers", "2", "--seq", "1024", "--steps", "60", "--warmup", "0",
+                      "--specs", "sonic", "--token-rounding", "nearest",
+                      "--json", os.path.join(out, "train_curves_rounding.json")], 60),
+        ("bench", [*bench, "--steps", "8", "--warmup", "3", "--seq", "2048",
+                   "--json", os.path.join(out, "bench_train.json")], 100),
+        ("twonode", None, 45),
+        ("overlap", _torchrun(4, "examples/pretrain_gpt_sonic.py", "--preset", "olmoe-small", "--layers", "2",
+                              "--seq", "1024", "--steps", "10", "--overlap-moe-expert-parallel-comm",
+                              "--delay-wgrad-compute", "--json", os.path.join(out, "overlap.json")), 60),
+    ]  # fmt: skip
+    for name, cmd, limit in plan:
+        left = total - (time.time() - t_start)
+        if left < 15:
+            summary[name] = {"status": "skipped (out of time)"}
+            continue
+        if name == "twonode":
+            _two_node(out, summary, min(limit, left))
+            continue
+        _step(name, cmd, min(limit, left), out, summary)
+    with open(os.path.join(out, "gpu_megatron_summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _two_node(out: str, summary: dict, limit: float) -> None:
+    """Two torchrun groups of 2 GPUs each, one host, rendezvous on localhost: a multi-node launch in small."""
+    t0 = time.time()
+    procs, logs = [], []
+    for node in (0, 1):
+        log = open(os.path.join(out, f"twonode_{node}.log"), "w")  # noqa: SIM115 - closed below
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1" if node == 0 else "2,3"}
+        cmd = _torchrun(
+            2, "examples/demo.py", "--steps", "10", "--preset", "tiny", nnodes=2, node_rank=node, port=29533
+        )
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env))
+        logs.append(log)
+    status = "ok"
+    for p in procs:
+        try:
+            rc = p.wait(timeout=max(limit - (time.time() - t0), 1))
+            if rc != 0:
+                status = f"failed (rc {rc})"
+        except subprocess.TimeoutExpired:
+            p.kill()
+            status = f"timed out after {limit:.0f} s"
+    for log in logs:
+        log.close()
+    summary["twonode"] = {"status": status, "seconds": round(time.time() - t0, 1)}
+    with open(os.path.join(out, "twonode_0.log")) as f:
+        print(f.read()[-1500:], flush=True)
+    print(f"--- twonode: {status}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Step 1 worker (under torchrun)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def compare_worker(out: str) -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+
+    from sonic_megatron.compare import Case, compare_case, passes
+    from sonic_megatron.config import SonicConfig
+    from sonic_megatron.testing import init_distributed, init_model_parallel
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = init_distributed(rank, world, local_rank=int(os.environ.get("LOCAL_RANK", rank)))
+    gpu = SonicConfig(backend="auto")
+    shared = dict(moe_shared_expert_intermediate_size=512)
+    big = dict(hidden_size=1024, moe_ffn_hidden_size=512, num_moe_experts=16, moe_router_topk=4, num_attention_heads=8)
+    kw = dict(tokens=(512, 4), dtype=torch.bfloat16)
+    cases = [
+        Case("bf16_random", big, gpu, **kw),
+        Case("bf16_one_expert", big, gpu, route="one_expert", **kw),
+        Case("bf16_rank0_only", big, gpu, route="skewed", **kw),
+        Case("bf16_shared_overlap", dict(big, **shared, moe_shared_expert_overlap=True), gpu, **kw),
+        Case("bf16_megatron_dispatcher", big, SonicConfig(backend="auto", dispatcher="megatron"), **kw),
+        Case("fp32_torch_backend", big, SonicConfig(backend="torch"), tokens=(256, 2), dtype=torch.float32),
+    ]
+    results = {}
+    for ep in (e for e in (1, 2, 4) if world % e == 0):
+        init_model_parallel(ep=ep)
+        for case in cases:
+            key = f"{case.name}@ep{ep}"
+            try:
+                res = compare_case(case, device, seed=10 + rank)
+                fails = passes(res, case.dtype)
+                results[key] = {"pass": not fails, "failures": fails, "bound": res.get("bound")}
+            except Exception as exc:  # noqa: BLE001 - recorded per case
+                results[key] = {"pass": False, "failures": [f"raised {exc!r}"]}
+            if rank == 0:
+                r = results[key]
+                print(f"{key}: {'PASS' if r['pass'] else 'FAIL ' + '; '.join(r['failures'])}", flush=True)
+    with open(os.path.join(out, f"compare_rank{rank}.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0 if all(r["pass"] for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "compare":
+        sys.exit(compare_worker(sys.argv[sys.argv.index("--out") + 1]))
+    sys.exit(driver())
