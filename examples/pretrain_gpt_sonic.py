@@ -96,6 +96,8 @@ def train(args, device, ep: int) -> dict:
         max_sequence_length=preset.seq,
         position_embedding_type="rope",
     ).to(device)
+    # The CPU fallback optimizer reads full main_grad, so no optimizer sharding there.
+    args.use_distributed_optimizer = args.use_distributed_optimizer and cuda
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,

@@ -33,6 +33,7 @@ class Preset:
     expert_ffn: int
     shared_ffn: int | None = None
     moe_every: int = 1
+    first_dense: int = 0  # leading dense layers (DeepSeek style)
     vocab: int = 256
     seq: int = 64
     micro_batch: int = 2
@@ -41,6 +42,20 @@ class Preset:
 PRESETS = {
     # CPU demo / tests: seconds per step on 2 cores.
     "tiny": Preset(layers=2, hidden=64, heads=4, ffn=128, experts=8, topk=2, expert_ffn=64, vocab=128, seq=32),
+    # tiny with a shared expert and a leading dense layer (DeepSeek layout), for CPU runs.
+    "tiny-shared": Preset(
+        layers=3,
+        hidden=64,
+        heads=4,
+        ffn=128,
+        experts=8,
+        topk=2,
+        expert_ffn=64,
+        shared_ffn=64,
+        first_dense=1,
+        vocab=128,
+        seq=32,
+    ),
     # OLMoE-1B-7B shape (64 experts, top-8, expert ffn 1024, hidden 2048) with 4 of its 16 layers.
     "olmoe-small": Preset(
         layers=4,
@@ -97,7 +112,9 @@ def transformer_config(preset: Preset, *, ep: int, dtype: torch.dtype, **overrid
         moe_router_topk=preset.topk,
         moe_ffn_hidden_size=preset.expert_ffn,
         moe_shared_expert_intermediate_size=preset.shared_ffn,
-        moe_layer_freq=[1 if (i % preset.moe_every == preset.moe_every - 1) else 0 for i in range(preset.layers)],
+        moe_layer_freq=[
+            int(i >= preset.first_dense and i % preset.moe_every == preset.moe_every - 1) for i in range(preset.layers)
+        ],
         moe_token_dispatcher_type="alltoall",
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=1e-2,
