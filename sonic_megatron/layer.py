@@ -98,6 +98,8 @@ class SonicMoELayer(MoELayer):
             )
             if self.use_shared_expert and self.shared_expert_overlap:
                 self.token_dispatcher.set_shared_experts(self.shared_experts)
+            if hasattr(self, "_training_token_dispatcher"):  # 0.19 re-selects it in forward()
+                self._training_token_dispatcher = self.token_dispatcher
 
     @property
     def _sonic_dispatch(self) -> bool:
