@@ -140,18 +140,22 @@ def _send_layout(tok_R, exp_R, T, L, P, N):
     dest_R = torch.div(exp_R, L, rounding_mode="floor").clamp(0, P - 1)  # clamped: bad indices fail later
     chunk_R = torch.div(tok_R.clamp(min=0) * N, max(T, 1), rounding_mode="floor").clamp(0, N - 1)
     seg_R = chunk_R * P + dest_R
-    # Pairs arrive sorted by token; a stable sort by segment keeps tokens ascending inside a segment.
-    order = torch.sort(seg_R, stable=True).indices
+    # Pairs arrive sorted by token; a stable sort by segment keeps tokens ascending inside a segment. The
+    # narrowest key dtype: CUDA's radix sort makes one pass per key byte (int16: 2 passes, int64: 8).
+    key_dtype = torch.int16 if N * P <= 2**15 else torch.int32
+    order = torch.sort(seg_R.to(key_dtype), stable=True).indices
     seg_s, tok_s = seg_R[order], tok_R[order]
     key = seg_s * (T + 1) + tok_s
     is_new = torch.ones(R, dtype=torch.bool, device=device)
     if R > 1:
         is_new[1:] = key[1:] != key[:-1]
-    row_of_pair = torch.cumsum(is_new.long(), 0) - 1
-    rows_NP = torch.zeros(N * P, dtype=torch.int64, device=device).index_add_(0, seg_s, is_new.long())
-    pairs_NP = torch.zeros(N * P, dtype=torch.int64, device=device).index_add_(
-        0, seg_s, torch.ones(R, dtype=torch.int64, device=device)
-    )
+    new_before = torch.zeros(R + 1, dtype=torch.int64, device=device)  # send rows started before pair i
+    torch.cumsum(is_new.long(), 0, out=new_before[1:])
+    row_of_pair = new_before[1:] - 1
+    # Per-segment counts from the segment boundaries of the sorted pairs (no atomics, unlike index_add_).
+    bounds = torch.searchsorted(seg_s, torch.arange(N * P + 1, dtype=seg_s.dtype, device=device))
+    pairs_NP = bounds[1:] - bounds[:-1]
+    rows_NP = new_before[bounds[1:]] - new_before[bounds[:-1]]
     return order, seg_s, tok_s, dest_R[order], row_of_pair, rows_NP, pairs_NP
 
 
@@ -269,7 +273,9 @@ def make_plan(
     local_exp = exp_R[order] - dest_s * L
     pair_meta_R2 = torch.stack([row_in_seg, local_exp], dim=1).to(torch.int32)
 
-    combine_order_S = torch.sort(send_token_idx_S, stable=True).indices
+    # int32 keys: half the radix passes of int64 (tokens < 2^31).
+    keys_S = send_token_idx_S.to(torch.int32) if T < 2**31 else send_token_idx_S
+    combine_order_S = torch.sort(keys_S, stable=True).indices
     combine_offsets = torch.searchsorted(
         send_token_idx_S[combine_order_S], torch.arange(T + 1, device=device, dtype=torch.int64)
     )
