@@ -45,12 +45,12 @@ def build_pair(case: Case, device: torch.device):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from .layer import SonicMoELayer
-    from .spec import sonic_moe_spec
+    from .spec import moe_submodules_of, sonic_moe_spec
 
     config = moe_config(**case.overrides)
-    stock_spec = _stock_spec()
-    stock = MoELayer(config, copy.deepcopy(stock_spec.submodules))
-    sonic_spec = sonic_moe_spec(stock_spec.submodules, case.sonic)
+    stock_submodules = moe_submodules_of(_stock_spec())
+    stock = MoELayer(config, copy.deepcopy(stock_submodules))
+    sonic_spec = sonic_moe_spec(stock_submodules, case.sonic)
     sonic = SonicMoELayer(config, sonic_spec.submodules, sonic_config=case.sonic)
     with torch.no_grad():
         sonic.router.weight.copy_(stock.router.weight)

@@ -54,6 +54,14 @@ def sonic_moe_spec(old_submodules: MoESubmodules | None = None, sonic_config: So
     )
 
 
+def moe_submodules_of(mlp_spec) -> MoESubmodules | None:
+    """The MoESubmodules of a MoE mlp spec: ``ModuleSpec.submodules`` (0.16-0.18) or the ``submodules``
+    keyword of a ``functools.partial`` (0.19)."""
+    if isinstance(mlp_spec, functools.partial):
+        return mlp_spec.keywords.get("submodules")
+    return getattr(mlp_spec, "submodules", None)
+
+
 def _is_stock_moe(obj) -> bool:
     cls = obj.module if isinstance(obj, ModuleSpec) else obj.func if isinstance(obj, functools.partial) else None
     return isinstance(cls, type) and issubclass(cls, MoELayer) and not issubclass(cls, SonicMoELayer)
@@ -63,8 +71,7 @@ def _swap(obj, sonic_config, seen: dict):
     if id(obj) in seen:
         return seen[id(obj)]
     if _is_stock_moe(obj):
-        old = obj.submodules if isinstance(obj, ModuleSpec) else obj.keywords.get("submodules")
-        out = sonic_moe_spec(old, sonic_config)
+        out = sonic_moe_spec(moe_submodules_of(obj), sonic_config)
     elif isinstance(obj, ModuleSpec):
         obj.submodules = _swap(obj.submodules, sonic_config, seen)
         out = obj

@@ -39,9 +39,10 @@ def _layers(kind):
     config = moe_config(num_moe_experts=E, hidden_size=H, moe_ffn_hidden_size=F)
     torch.manual_seed(0)
     if kind == "stock":
-        return MoELayer(
-            config, get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False).submodules.mlp.submodules
-        )
+        from sonic_megatron.spec import moe_submodules_of
+
+        spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
+        return MoELayer(config, moe_submodules_of(spec.submodules.mlp))
     return SonicMoELayer(config, sonic_config=SonicConfig(backend="torch"))
 
 
