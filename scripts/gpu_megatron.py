@@ -13,7 +13,9 @@ $OUT/gpu_megatron_summary.json and the next step still runs; the pass stays unde
   3. rounding  the same with token rounding (nearest, tile 128), plugin only.
   4. bench     bench train, 4-layer OLMoE-like model (EP=4): tokens/s/GPU and peak memory, plugin vs stock.
   5. twonode   examples/demo.py as two torchrun "nodes" of 2 GPUs (localhost rendezvous, EP=4).
-  6. overlap   examples/pretrain_gpt_sonic.py with --overlap-moe-expert-parallel-comm --delay-wgrad-compute.
+  6. blockspec ``sonic_block_spec`` (the --spec function for 0.19's GPTModelBuilder) on a GPTModelConfig with
+               mixed dense/MoE layers: the swapped spec builds a TransformerBlock with SonicMoELayer where expected.
+  7. overlap   examples/pretrain_gpt_sonic.py with --overlap-moe-expert-parallel-comm --delay-wgrad-compute.
 Env: OUT, TOTAL_S. ``python scripts/gpu_megatron.py compare --out DIR`` is step 1's worker (under torchrun).
 """
 
@@ -75,6 +77,7 @@ def driver() -> int:
         ("bench", [*bench, "--steps", "8", "--warmup", "3", "--seq", "2048",
                    "--json", os.path.join(out, "bench_train.json")], 100),
         ("twonode", None, 45),
+        ("blockspec", [PY, __file__, "blockspec"], 40),
         ("overlap", _torchrun(4, "examples/pretrain_gpt_sonic.py", "--preset", "olmoe-small", "--layers", "2",
                               "--seq", "1024", "--steps", "10", "--overlap-moe-expert-parallel-comm",
                               "--delay-wgrad-compute", "--json", os.path.join(out, "overlap.json")), 60),
@@ -174,7 +177,37 @@ def compare_worker(out: str) -> int:
     return 0 if all(r["pass"] for r in results.values()) else 1
 
 
+def _blockspec_worker(rank: int, world: int) -> None:
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.training.models.gpt import GPTModelConfig
+
+    from sonic_megatron import spec as S
+    from sonic_megatron.layer import SonicMoELayer
+    from sonic_megatron.testing import init_model_parallel, moe_config
+
+    init_model_parallel(ep=1)
+    transformer = moe_config(num_layers=4, moe_layer_freq=[0, 1, 0, 1])
+    cfg = GPTModelConfig(transformer=transformer, vocab_size=128, seq_length=32)
+    block_spec = S.sonic_block_spec(cfg, vp_stage=None)
+    n = S.count_sonic_layers(block_spec)
+    block = TransformerBlock(transformer, block_spec).cuda()
+    kinds = [type(layer.mlp).__name__ for layer in block.layers]
+    print(f"sonic_block_spec: {n} Sonic MoE specs, layers {kinds}", flush=True)
+    assert kinds == ["MLP", "SonicMoELayer", "MLP", "SonicMoELayer"] and n == 2, kinds
+    assert all(isinstance(layer.mlp, SonicMoELayer) for layer in block.layers[1::2])
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "blockspec":
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        sys.path.insert(0, ROOT)
+        from sonic_megatron.testing import spawn
+
+        spawn(_blockspec_worker, 1)
+        print("blockspec: ok")
+        sys.exit(0)
     if len(sys.argv) > 1 and sys.argv[1] == "compare":
         sys.exit(compare_worker(sys.argv[sys.argv.index("--out") + 1]))
     sys.exit(driver())
