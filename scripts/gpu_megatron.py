@@ -37,12 +37,17 @@ def _step(name: str, cmd: list[str], limit: float, out: str, summary: dict, env:
     t0 = time.time()
     with open(log, "w") as f:
         try:
-            rc = subprocess.run(
-                cmd, stdout=f, stderr=subprocess.STDOUT, timeout=limit, cwd=ROOT, env={**os.environ, **(env or {})}
-            ).returncode
-            status = "ok" if rc == 0 else f"failed (rc {rc})"
-        except subprocess.TimeoutExpired:
-            status = f"timed out after {limit:.0f} s"
+            # Own session, so that a timeout kills torchrun's workers too (they would keep the GPUs busy).
+            proc = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})},
+                start_new_session=True,
+            )  # fmt: skip
+            try:
+                rc = proc.wait(timeout=limit)
+                status = "ok" if rc == 0 else f"failed (rc {rc})"
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                status = f"timed out after {limit:.0f} s"
         except Exception as exc:  # noqa: BLE001 - keep going with the next step
             status = f"could not run: {exc}"
     summary[name] = {"status": status, "seconds": round(time.time() - t0, 1), "log": log}
@@ -51,6 +56,15 @@ def _step(name: str, cmd: list[str], limit: float, out: str, summary: dict, env:
     print(f"--- {name}: {status} in {time.time() - t0:.0f} s", flush=True)
     with open(os.path.join(out, "gpu_megatron_summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    import contextlib
+    import signal
+
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def _torchrun(nproc: int, *args: str, nnodes: int = 1, node_rank: int = 0, port: int = 29511) -> list[str]:
@@ -107,7 +121,9 @@ def _two_node(out: str, summary: dict, limit: float) -> None:
         cmd = _torchrun(
             2, "examples/demo.py", "--steps", "10", "--preset", "tiny", nnodes=2, node_rank=node, port=29533
         )
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env))
+        procs.append(
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+        )
         logs.append(log)
     status = "ok"
     for p in procs:
@@ -116,7 +132,7 @@ def _two_node(out: str, summary: dict, limit: float) -> None:
             if rc != 0:
                 status = f"failed (rc {rc})"
         except subprocess.TimeoutExpired:
-            p.kill()
+            _kill_group(p)
             status = f"timed out after {limit:.0f} s"
     for log in logs:
         log.close()
