@@ -62,6 +62,10 @@ def _kill_group(proc: subprocess.Popen) -> None:
     import contextlib
     import signal
 
+    # SIGTERM first: torchrun then stops its workers (they run in sessions of their own); then SIGKILL.
+    proc.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=20)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
