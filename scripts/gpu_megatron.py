@@ -3,19 +3,21 @@
 
     source .devbundle/setup.sh; python scripts/gpu_megatron.py      # logs + JSON under $OUT (default ./out)
 
-Steps (each its own subprocess with a time limit; a failure or timeout is recorded in
-$OUT/gpu_megatron_summary.json and the next step still runs; the pass stays under TOTAL_S, default 470 s):
-  1. compare   torchrun x4: SonicMoELayer vs stock MoELayer (same weights) at EP=1, 2, 4 on NCCL: bf16 with
-               the GPU backend (auto = cute on H100/H200) and fp32 with the torch backend, random / one-expert /
-               rank-0-only routings, shared experts (+ overlap), Megatron's dispatcher with Sonic experts.
-               Rule: error vs a float64 stock run <= 2x the stock layer's own error (+1e-6 of the magnitude).
-  2. curves    bench train, 2-layer OLMoE-like model, 60 steps, plugin vs stock from the same seed (loss curves).
-  3. rounding  the same with token rounding (nearest, tile 128), plugin only.
-  4. bench     bench train, 4-layer OLMoE-like model (EP=4): tokens/s/GPU and peak memory, plugin vs stock.
-  5. twonode   examples/demo.py as two torchrun "nodes" of 2 GPUs (localhost rendezvous, EP=4).
-  6. blockspec ``sonic_block_spec`` (the --spec function for 0.19's GPTModelBuilder) on a GPTModelConfig with
-               mixed dense/MoE layers: the swapped spec builds a TransformerBlock with SonicMoELayer where expected.
-  7. overlap   examples/pretrain_gpt_sonic.py with --overlap-moe-expert-parallel-comm --delay-wgrad-compute.
+Steps in this order (each its own subprocess with a time limit; a failure or timeout is recorded in
+$OUT/gpu_megatron_summary.json and the next step still runs; the pass stays under TOTAL_S, default 470 s,
+later steps are skipped when time runs out):
+  compare    torchrun x4: SonicMoELayer vs stock MoELayer (same weights) at EP=1, 2, 4 on NCCL: bf16 with
+             the GPU backend (auto = cute on H100/H200) and fp32 with the torch backend, random / one-expert /
+             rank-0-only routings, shared experts (+ overlap), Megatron's dispatcher with Sonic experts.
+             Rule: error vs a float64 stock run <= 2x the stock layer's own error (+1e-6 of the magnitude).
+  blockspec  ``sonic_block_spec`` (the --spec function for 0.19's GPTModelBuilder) on a GPTModelConfig with
+             mixed dense/MoE layers builds SonicMoELayer exactly where the stock spec has MoE layers.
+  overlap    examples/pretrain_gpt_sonic.py (2-layer OLMoE-like, EP=4) with --overlap-moe-expert-parallel-comm
+             --delay-wgrad-compute (Megatron's 1F1B EP A2A overlap schedule, deferred expert wgrad).
+  bench      bench train, 4-layer OLMoE-like model (EP=4): tokens/s/GPU and peak memory, plugin vs stock.
+  curves     bench train, 2-layer OLMoE-like model, 40 steps, plugin vs stock from the same seed (loss curves).
+  twonode    examples/demo.py as two torchrun "nodes" of 2 GPUs (localhost rendezvous, EP=4).
+  rounding   as curves with token rounding (nearest, tile 128), plugin only.
 Env: OUT, TOTAL_S. ``python scripts/gpu_megatron.py compare --out DIR`` is step 1's worker (under torchrun).
 """
 
@@ -86,19 +88,19 @@ def driver() -> int:
     summary: dict = {}
     bench = [PY, "-m", "sonic_megatron", "bench", "train"]
     plan = [
-        ("compare", _torchrun(4, __file__, "compare", "--out", out), 110),
-        ("curves", [*bench, "--layers", "2", "--seq", "1024", "--steps", "60", "--warmup", "0",
-                    "--json", os.path.join(out, "train_curves.json")], 110),
-        ("rounding", [*bench, "--layers", "2", "--seq", "1024", "--steps", "60", "--warmup", "0",
-                      "--specs", "sonic", "--token-rounding", "nearest",
-                      "--json", os.path.join(out, "train_curves_rounding.json")], 60),
-        ("bench", [*bench, "--steps", "8", "--warmup", "3", "--seq", "2048",
-                   "--json", os.path.join(out, "bench_train.json")], 100),
-        ("twonode", None, 45),
-        ("blockspec", [PY, __file__, "blockspec"], 40),
+        ("compare", _torchrun(4, __file__, "compare", "--out", out), 100),
+        ("blockspec", [PY, __file__, "blockspec"], 30),
         ("overlap", _torchrun(4, "examples/pretrain_gpt_sonic.py", "--preset", "olmoe-small", "--layers", "2",
                               "--seq", "1024", "--steps", "10", "--overlap-moe-expert-parallel-comm",
                               "--delay-wgrad-compute", "--json", os.path.join(out, "overlap.json")), 60),
+        ("bench", [*bench, "--steps", "8", "--warmup", "3", "--seq", "2048",
+                   "--json", os.path.join(out, "bench_train.json")], 100),
+        ("curves", [*bench, "--layers", "2", "--seq", "1024", "--steps", "40", "--warmup", "0",
+                    "--json", os.path.join(out, "train_curves.json")], 90),
+        ("twonode", None, 40),
+        ("rounding", [*bench, "--layers", "2", "--seq", "1024", "--steps", "40", "--warmup", "0",
+                      "--specs", "sonic", "--token-rounding", "nearest",
+                      "--json", os.path.join(out, "train_curves_rounding.json")], 50),
     ]  # fmt: skip
     for name, cmd, limit in plan:
         left = total - (time.time() - t_start)
