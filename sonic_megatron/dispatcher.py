@@ -24,30 +24,13 @@ points as Megatron 0.16's alltoall dispatcher: its fc1 runs while the dispatch a
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .config import SonicConfig
 from .kernels import TopKRouting
-
-try:  # engineer D's package; the EP=1 path below works without it
-    from .token_dispatch import TokenRounding, combine, dispatch, make_plan
-except ImportError:  # pragma: no cover - exercised only while token_dispatch is incomplete
-    TokenRounding = combine = dispatch = make_plan = None
-
-
-def token_dispatch_available() -> bool:
-    return make_plan is not None
-
-
-@dataclass
-class LocalPlan:
-    """Plan of the single-rank path (no communication): the top-K expert ids of every token."""
-
-    indices_TK: torch.Tensor
-    num_tokens: int
+from .token_dispatch import TokenRounding, combine, dispatch, make_plan
 
 
 def topk_indices(routing_map_TE: torch.Tensor, k: int) -> torch.Tensor:
@@ -71,12 +54,6 @@ class SonicTokenDispatcher(MoETokenDispatcher):
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.group = self.ep_group if self.ep_size > 1 else None
-        if not token_dispatch_available() and (self.ep_size > 1 or sonic.rounding_enabled):
-            raise RuntimeError(
-                "sonic_megatron: expert_model_parallel_size > 1 and token rounding need "
-                "sonic_megatron.token_dispatch, which failed to import; set SONIC_MEGATRON_DISPATCHER=megatron "
-                "to use Megatron's dispatcher with the Sonic experts"
-            )
         self.plan = None
         self.hidden_shape = None
         self.ep_rank = self.ep_group.rank()
@@ -95,29 +72,22 @@ class SonicTokenDispatcher(MoETokenDispatcher):
         scores_TK = probs.gather(1, idx_TK)
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden_states)
-        if token_dispatch_available():
-            rounding = None
-            if dense_probs_TE is not None:
-                rounding = TokenRounding(mode=self.sonic.token_rounding, tile=self.sonic.rounding_tile)
-            self.plan = make_plan(
-                TopKRouting(scores_TK, idx_TK),
-                num_experts=self.num_experts,
-                group=self.group,
-                rounding=rounding,
-                rounding_scores_TE=dense_probs_TE,
-                num_chunks=self.sonic.num_chunks,
-                x_TD=x_TH,
-            )
-            # The routing actually used (after rounding), with autograd to the router's probs.
-            scores = self.plan.scores_R
-        else:
-            self.plan = LocalPlan(idx_TK, x_TH.shape[0])
-            scores = scores_TK
-        return x_TH, scores
+        rounding = None
+        if dense_probs_TE is not None:
+            rounding = TokenRounding(mode=self.sonic.token_rounding, tile=self.sonic.rounding_tile)
+        self.plan = make_plan(
+            TopKRouting(scores_TK, idx_TK),
+            num_experts=self.num_experts,
+            group=self.group,
+            rounding=rounding,
+            rounding_scores_TE=dense_probs_TE,
+            num_chunks=self.sonic.num_chunks,
+            x_TD=x_TH,
+        )
+        # The routing actually used (after rounding), with autograd to the router's probs.
+        return x_TH, self.plan.scores_R
 
     def token_dispatch(self, hidden_states, probs):
-        if isinstance(self.plan, LocalPlan):
-            return hidden_states, probs
         # Dispatch the scores Megatron passed in (under the 1F1B overlap schedule: a detached copy of the
         # plan's scores), so autograd links between schedule nodes are only the tensors passed.
         return dispatch(hidden_states, dataclasses.replace(self.plan, scores_R=probs))
@@ -131,8 +101,6 @@ class SonicTokenDispatcher(MoETokenDispatcher):
         return hidden_states
 
     def token_combine(self, hidden_states, *args, **kwargs):
-        if isinstance(self.plan, LocalPlan):
-            return hidden_states
         return combine(hidden_states, self.plan)
 
     def combine_postprocess(self, hidden_states):

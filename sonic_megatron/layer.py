@@ -22,16 +22,11 @@ from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .config import SonicConfig, validate_megatron_config
-from .dispatcher import LocalPlan, SonicTokenDispatcher
+from .dispatcher import SonicTokenDispatcher
 from .experts import SonicExperts
-from .kernels import TopKRouting
 from .megatron_compat import accepted_kwargs, default_pg_collection
 from .router import SonicRouter
-
-try:
-    from .token_dispatch import local_experts
-except ImportError:  # pragma: no cover - see dispatcher.py
-    local_experts = None
+from .token_dispatch import local_experts
 
 
 def default_submodules(sonic_config: SonicConfig | None = None) -> MoESubmodules:
@@ -124,18 +119,14 @@ class SonicMoELayer(MoELayer):
             return super().routed_experts_compute(hidden_states, probs)
         disp = self.token_dispatcher
         x_recv, _, scores_recv = disp.dispatch_postprocess(hidden_states, probs)
-        plan = disp.plan
-        if isinstance(plan, LocalPlan):
-            y = self.experts.compute(x_recv, TopKRouting(scores_recv, plan.indices_TK))
-        else:
-            y = local_experts(
-                x_recv,
-                scores_recv,
-                self.experts.weight1,
-                self.experts.weight2,
-                plan,
-                activation=self.experts.activation,
-                backend=self.sonic.backend,
-                wgrad=self.experts.wgrad.ep_deferred,
-            )
+        y = local_experts(
+            x_recv,
+            scores_recv,
+            self.experts.weight1,
+            self.experts.weight2,
+            disp.plan,
+            activation=self.experts.activation,
+            backend=self.sonic.backend,
+            wgrad=self.experts.wgrad.ep_deferred,
+        )
         return disp.combine_preprocess(y), None
