@@ -42,9 +42,13 @@ class SonicConfig:
             ``dispatcher='sonic'``.
         rounding_tile: the multiple used by token rounding (the GEMM M tile; 128 on Hopper).
         num_chunks: pipeline the dispatch/experts/combine of a layer in this many chunks so that one chunk's
-            all-to-all overlaps another's GEMMs (``dispatcher='sonic'``; 1 = no chunking).
+            all-to-all overlaps another's GEMMs (``dispatcher='sonic'``; 1 = no chunking). With N > 1 (or
+            ``redispatch_x_in_backward``) the layer runs dispatch + experts + combine as one pipelined call
+            inside ``routed_experts_compute`` (Megatron's dispatch/combine steps pass tensors through), so it
+            cannot be combined with ``--overlap-moe-expert-parallel-comm`` (rejected at construction).
         redispatch_x_in_backward: cache only this rank's input tokens and dispatch them again in backward
-            instead of keeping the received tokens (saves activation memory, costs one all-to-all).
+            instead of keeping the received tokens (saves activation memory, costs one all-to-all; pipelined
+            mode as above).
     """
 
     backend: str = "auto"

@@ -24,6 +24,7 @@ points as Megatron 0.16's alltoall dispatcher: its fc1 runs while the dispatch a
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
@@ -31,6 +32,16 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from .config import SonicConfig
 from .kernels import TopKRouting
 from .token_dispatch import TokenRounding, combine, dispatch, make_plan
+
+
+@dataclass
+class PipelinedPlan:
+    """``SonicConfig.num_chunks > 1`` or ``redispatch_x_in_backward``: planning, dispatch, experts and combine
+    all run inside ``routed_experts_compute`` (token_dispatch's pipelined ``expert_parallel_experts``, where
+    the all-to-all of one chunk overlaps another chunk's GEMMs); the other steps pass tensors through."""
+
+    indices_TK: torch.Tensor
+    dense_probs_TE: torch.Tensor | None
 
 
 def topk_indices(routing_map_TE: torch.Tensor, k: int) -> torch.Tensor:
@@ -72,9 +83,12 @@ class SonicTokenDispatcher(MoETokenDispatcher):
         scores_TK = probs.gather(1, idx_TK)
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden_states)
+        if self.pipelined:
+            self.plan = PipelinedPlan(idx_TK, dense_probs_TE)
+            return x_TH, scores_TK
         rounding = None
         if dense_probs_TE is not None:
-            rounding = TokenRounding(mode=self.sonic.token_rounding, tile=self.sonic.rounding_tile)
+            rounding = self.rounding()
         self.plan = make_plan(
             TopKRouting(scores_TK, idx_TK),
             num_experts=self.num_experts,
@@ -87,7 +101,16 @@ class SonicTokenDispatcher(MoETokenDispatcher):
         # The routing actually used (after rounding), with autograd to the router's probs.
         return x_TH, self.plan.scores_R
 
+    @property
+    def pipelined(self) -> bool:
+        return self.sonic.num_chunks > 1 or self.sonic.redispatch_x_in_backward
+
+    def rounding(self) -> TokenRounding:
+        return TokenRounding(mode=self.sonic.token_rounding, tile=self.sonic.rounding_tile)
+
     def token_dispatch(self, hidden_states, probs):
+        if isinstance(self.plan, PipelinedPlan):
+            return hidden_states, probs
         # Dispatch the scores Megatron passed in (under the 1F1B overlap schedule: a detached copy of the
         # plan's scores), so autograd links between schedule nodes are only the tensors passed.
         return dispatch(hidden_states, dataclasses.replace(self.plan, scores_R=probs))
@@ -101,6 +124,8 @@ class SonicTokenDispatcher(MoETokenDispatcher):
         return hidden_states
 
     def token_combine(self, hidden_states, *args, **kwargs):
+        if isinstance(self.plan, PipelinedPlan):
+            return hidden_states
         return combine(hidden_states, self.plan)
 
     def combine_postprocess(self, hidden_states):

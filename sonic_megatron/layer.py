@@ -12,6 +12,10 @@ separate nodes) work unchanged. What changes per method, with ``SonicConfig.disp
 * routed_experts_compute: the local experts of ``SonicExperts`` on the received tokens (Sonic kernels:
   gather-fused up-projection, cached X and H only, per-token reduction before the combine).
 
+With ``num_chunks > 1`` or ``redispatch_x_in_backward`` (pipelined mode) routed_experts_compute runs
+token_dispatch's pipelined ``expert_parallel_experts`` (dispatch + experts + combine, chunk i's all-to-all
+overlapping chunk i+1's GEMMs) and dispatch/combine pass tensors through.
+
 With ``dispatcher='megatron'`` Megatron's own dispatcher is kept (any ``moe_token_dispatcher_type``) and
 only the experts are Sonic. Unsupported Megatron options fail here, at construction (``config.py``).
 """
@@ -22,11 +26,12 @@ from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .config import SonicConfig, validate_megatron_config
-from .dispatcher import SonicTokenDispatcher
+from .dispatcher import PipelinedPlan, SonicTokenDispatcher
 from .experts import SonicExperts
+from .kernels import TopKRouting
 from .megatron_compat import accepted_kwargs, default_pg_collection
 from .router import SonicRouter
-from .token_dispatch import local_experts
+from .token_dispatch import expert_parallel_experts, local_experts
 
 
 def default_submodules(sonic_config: SonicConfig | None = None) -> MoESubmodules:
@@ -88,6 +93,13 @@ class SonicMoELayer(MoELayer):
                     "SonicConfig.dispatcher='sonic' needs MoESubmodules.experts = SonicExperts, got "
                     f"{type(self.experts).__name__} (use dispatcher='megatron' for other experts)"
                 )
+            pipelined = self.sonic.num_chunks > 1 or self.sonic.redispatch_x_in_backward
+            if pipelined and getattr(config, "overlap_moe_expert_parallel_comm", False):
+                raise ValueError(
+                    "SonicConfig.num_chunks > 1 / redispatch_x_in_backward run dispatch, experts and combine "
+                    "as one pipelined node, which Megatron's overlap_moe_expert_parallel_comm cannot split; "
+                    "use one or the other"
+                )
             self.token_dispatcher = SonicTokenDispatcher(
                 self.num_local_experts, self.local_expert_indices, config, pg_collection, self.sonic
             )
@@ -119,6 +131,25 @@ class SonicMoELayer(MoELayer):
             return super().routed_experts_compute(hidden_states, probs)
         disp = self.token_dispatcher
         x_recv, _, scores_recv = disp.dispatch_postprocess(hidden_states, probs)
+        plan = disp.plan
+        if isinstance(plan, PipelinedPlan):  # dispatch + experts + combine in one pipelined call
+            out = expert_parallel_experts(
+                x_recv,
+                TopKRouting(scores_recv, plan.indices_TK),
+                self.experts.weight1,
+                self.experts.weight2,
+                group=disp.group,
+                num_experts=disp.num_experts,
+                activation=self.experts.activation,
+                backend=self.sonic.backend,
+                rounding=disp.rounding() if plan.dense_probs_TE is not None else None,
+                rounding_scores_TE=plan.dense_probs_TE,
+                num_chunks=self.sonic.num_chunks,
+                redispatch_x_in_backward=self.sonic.redispatch_x_in_backward,
+                wgrad=self.experts.wgrad.ep_deferred,
+            )
+            disp.plan = PipelinedPlan(plan.indices_TK, None)  # combine passes through; drop the dense probs
+            return out, None
         y = local_experts(
             x_recv,
             scores_recv,

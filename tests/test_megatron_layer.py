@@ -1,9 +1,9 @@
 """SonicMoELayer vs Megatron's stock MoELayer (SequentialMLP experts, alltoall dispatcher), same weights:
-outputs and every gradient at EP=1 and EP=2 over gloo, in float64 (must agree to 1e-10) and float32 (the
+outputs and every gradient at EP=1 and EP=2 over gloo, in float64 (must agree to 1e-12) and float32 (the
 2x-PyTorch-error rule against a float64 stock run), for Megatron router options, shared experts (with and
-without overlap), Megatron's own dispatcher with Sonic experts, zero-token experts and an EP rank that
-receives nothing. One pair of processes runs every case (Megatron imports are slow); each case is reported
-as its own test."""
+without overlap), Megatron's own dispatcher with Sonic experts, the pipelined mode (num_chunks=2 + re-dispatch
+in backward), zero-token experts and an EP rank that receives nothing. One pair of processes runs every case
+(Megatron imports are slow); each case is reported as its own test."""
 
 from __future__ import annotations
 
@@ -45,6 +45,9 @@ CASES = [
         "allgather_megatron_dispatcher",
         dict(moe_token_dispatcher_type="allgather"),
         sonic=SonicConfig(backend="torch", dispatcher="megatron"),
+    ),
+    Case(
+        "pipelined_chunks_redispatch", sonic=SonicConfig(backend="torch", num_chunks=2, redispatch_x_in_backward=True)
     ),
     Case("one_expert", route="one_expert"),
     Case("skewed_rank0_only", route="skewed"),
