@@ -20,7 +20,7 @@ later steps are skipped when time runs out):
   curves     bench train, 2-layer OLMoE-like model, 40 steps, plugin vs stock from the same seed (loss curves).
   twonode    examples/demo.py as two torchrun "nodes" of 2 GPUs (localhost rendezvous, EP=4).
   rounding   as curves with token rounding (nearest, tile 128), plugin only.
-Env: OUT, TOTAL_S. ``python scripts/gpu_megatron.py compare --out DIR`` is step 1's worker (under torchrun).
+Env: OUT, TOTAL_S, STEPS (comma-separated step names to run; default all). ``python scripts/gpu_megatron.py compare --out DIR`` is step 1's worker (under torchrun).
 """
 
 from __future__ import annotations
@@ -107,6 +107,9 @@ def driver() -> int:
                       "--specs", "sonic", "--token-rounding", "nearest",
                       "--json", os.path.join(out, "train_curves_rounding.json")], 50),
     ]  # fmt: skip
+    only = os.environ.get("STEPS")  # e.g. STEPS=blockspec,overlap: run only these steps
+    if only:
+        plan = [step for step in plan if step[0] in only.split(",")]
     for name, cmd, limit in plan:
         left = total - (time.time() - t_start)
         if left < 15:
@@ -214,7 +217,7 @@ def _blockspec_worker(rank: int, world: int) -> None:
     from sonic_megatron.testing import init_model_parallel, moe_config
 
     init_model_parallel(ep=1)
-    transformer = moe_config(num_layers=4, moe_layer_freq=[0, 1, 0, 1])
+    transformer = moe_config(num_layers=4, moe_layer_freq=[0, 1, 0, 1], transformer_impl="local")  # no TE there
     cfg = GPTModelConfig(transformer=transformer, vocab_size=128, seq_length=32)
     block_spec = S.sonic_block_spec(cfg, vp_stage=None)
     n = S.count_sonic_layers(block_spec)

@@ -124,7 +124,21 @@ class SonicMoELayer(MoELayer):
         if not self._sonic_dispatch:
             return super().preprocess(hidden_states, probs, routing_map)
         dense, self._dense_probs_TE = self._dense_probs_TE, None
-        return self.token_dispatcher.dispatch_preprocess(hidden_states, routing_map, probs, dense_probs_TE=dense)
+        x, scores = self.token_dispatcher.dispatch_preprocess(hidden_states, routing_map, probs, dense_probs_TE=dense)
+        if self._freed_by_1f1b_schedule:
+            # The schedule frees the "moe_dispatch" node's inputs after its forward; ours would alias the
+            # pre-MLP norm output (also read by shared experts' backward) and the routed probs.
+            x, scores = x.clone(), scores.clone()
+        return x, scores
+
+    @property
+    def _freed_by_1f1b_schedule(self) -> bool:
+        """Megatron's 1F1B EP-overlap schedule (--overlap-moe-expert-parallel-comm) releases the storage of the
+        inputs of its "moe_dispatch", "mlp" and "moe_combine" nodes right after their forward
+        (megatron/core/models/common/utils.py should_free_input), because the stock dispatcher copies tokens in
+        its permutations. Our path passes tokens without those copies, so in this mode the tensors that cross
+        a freed node boundary and are still needed later get a private copy."""
+        return bool(getattr(self.config, "overlap_moe_expert_parallel_comm", False))
 
     def routed_experts_compute(self, hidden_states, probs):
         if not self._sonic_dispatch:
@@ -150,6 +164,8 @@ class SonicMoELayer(MoELayer):
             )
             disp.plan = PipelinedPlan(plan.indices_TK, None)  # combine passes through; drop the dense probs
             return out, None
+        if self._freed_by_1f1b_schedule:  # local_experts caches the received rows for backward
+            x_recv = x_recv.clone()
         y = local_experts(
             x_recv,
             scores_recv,

@@ -22,6 +22,14 @@ def _detach(t):
     return t.detach().requires_grad_(t.requires_grad) if t is not None else None
 
 
+def _free(*tensors):
+    """What the schedule does to the inputs of "moe_dispatch", "mlp" and "moe_combine" after their forward
+    (megatron/core/models/common/utils.py should_free_input, alltoall with > 1 local expert): their storage
+    is released, so nothing of the plugin may still read them in backward."""
+    for t in tensors:
+        t.untyped_storage().resize_(0)
+
+
 def _nodes_forward_backward(layer, x, g):
     """Forward as four nodes with detached inputs, then backward node by node (combine, mlp + backward_dw,
     dispatch, attn), as fine_grained_callables does."""
@@ -32,12 +40,15 @@ def _nodes_forward_backward(layer, x, g):
     a_out = (local, p)
     local_d, p_d = _detach(local), _detach(p)
     disp, dprobs = layer.dispatch(local_d, p_d)
+    _free(local_d, p_d)
     disp_d, dprobs_d = _detach(disp), _detach(dprobs)
     out, _ = layer.routed_experts_compute(disp_d, dprobs_d)
+    _free(disp_d)
     out_d = _detach(out)
     shared_d = _detach(shared)
     comb = layer.combine(out_d)
     final = layer.postprocess(comb, shared_d)
+    _free(out_d)  # the "moe_combine" node (combine + postprocess) frees its input after both
     # backward, node by node
     final.backward(g)
     if shared is not None:
@@ -63,6 +74,7 @@ def _worker(rank, world, out_dir):
             torch.manual_seed(1000)
             _, lay = build_pair(case, torch.device("cpu"))
             lay.experts.config.delay_wgrad_compute = True
+            lay.config.overlap_moe_expert_parallel_comm = True
             lay.experts.__init_wgrad__()
             gen = torch.Generator().manual_seed(3 + rank)
             x = torch.randn(8, 2, 32, generator=gen, dtype=torch.float64)
