@@ -20,7 +20,8 @@ later steps are skipped when time runs out):
   curves     bench train, 2-layer OLMoE-like model, 40 steps, plugin vs stock from the same seed (loss curves).
   twonode    examples/demo.py as two torchrun "nodes" of 2 GPUs (localhost rendezvous, EP=4).
   rounding   as curves with token rounding (nearest, tile 128), plugin only.
-Env: OUT, TOTAL_S, STEPS (comma-separated step names to run; default all). ``python scripts/gpu_megatron.py compare --out DIR`` is step 1's worker (under torchrun).
+Env: OUT, TOTAL_S, STEPS (comma-separated step names to run; default all).
+``python scripts/gpu_megatron.py compare --out DIR`` is step 1's worker (under torchrun).
 """
 
 from __future__ import annotations
