@@ -18,6 +18,6 @@ python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port 29541 "
   --moe-router-dtype fp32 --swiglu --disable-bias-linear --normalization RMSNorm \
   --position-embedding-type rope --untie-embeddings-and-output-weights --bf16 \
   --transformer-impl local --no-gradient-accumulation-fusion \
-  --no-masked-softmax-fusion --no-bias-swiglu-fusion --no-persist-layer-norm \
+  --no-masked-softmax-fusion --no-bias-swiglu-fusion --no-persist-layer-norm --no-rope-fusion \
   --spec sonic_megatron.spec sonic_block_spec \
   --log-interval 1 --eval-iters 0 --eval-interval 1000000 --log-throughput "$@"
