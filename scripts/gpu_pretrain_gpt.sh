@@ -8,6 +8,12 @@ set -uo pipefail
 MLM=${MLM:-$PWD/.mlm}
 NPROC=${NPROC:-4}; EP=${EP:-4}; ITERS=${ITERS:-20}
 export PYTHONPATH=$MLM:$PWD${PYTHONPATH:+:$PYTHONPATH} CUDA_DEVICE_MAX_CONNECTIONS=1
+# The megatron-core wheel lacks the dataset helpers' sources that pretrain_gpt.py compiles at start: take them
+# from the same Megatron-LM branch ($MLM/datasets_Makefile, $MLM/datasets_helpers.cpp).
+ds=$(python3 -c "import os, megatron.core.datasets as d; print(os.path.dirname(d.__file__))" 2>/dev/null)
+if [ -n "$ds" ] && [ ! -f "$ds/Makefile" ] && [ -f "$MLM/datasets_Makefile" ]; then
+  cp "$MLM/datasets_Makefile" "$ds/Makefile"; cp "$MLM/datasets_helpers.cpp" "$ds/helpers.cpp"
+fi
 python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port 29541 "$MLM/pretrain_gpt.py" \
   --num-layers 2 --hidden-size 1024 --num-attention-heads 8 --seq-length 1024 --max-position-embeddings 1024 \
   --micro-batch-size 4 --global-batch-size 16 --train-iters "$ITERS" --lr 3e-4 --min-lr 3e-5 \
