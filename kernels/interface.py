@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -31,6 +32,9 @@ from .routing import (
 
 BACKENDS = ("auto", "torch", "cute")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# weight_grad_hook(compute) -> (dW1 or None, dW2 or None); compute() returns (dW1, dW2).
+WeightGradHook = Callable[[Callable[[], tuple[torch.Tensor, torch.Tensor]]], tuple[torch.Tensor | None, ...]]
 
 _warned: set[str] = set()
 
@@ -204,11 +208,11 @@ class MoEExpertsFunction(torch.autograd.Function):
     ``ops.forward(..., store_h=False)`` instead, as ``moe_experts`` does."""
 
     @staticmethod
-    def forward(ctx, x_TD, scores_R, w1_EGD, w2_EDF, ops, activation, *meta_tensors):
+    def forward(ctx, x_TD, scores_R, w1_EGD, w2_EDF, ops, activation, weight_grad_hook, *meta_tensors):
         meta = RoutingMetadata(*meta_tensors)
         store_h = any(ctx.needs_input_grad[:4])  # inference keeps no H
         o_TD, h_RG = ops.forward(x_TD, scores_R, w1_EGD, w2_EDF, meta, activation, store_h=store_h)
-        ctx.ops, ctx.activation = ops, activation
+        ctx.ops, ctx.activation, ctx.weight_grad_hook = ops, activation, weight_grad_hook
         ctx.save_for_backward(x_TD, h_RG, scores_R, w1_EGD, w2_EDF, *meta_tensors)
         return o_TD
 
@@ -223,10 +227,15 @@ class MoEExpertsFunction(torch.autograd.Function):
         )
         dw1 = dw2 = None
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
-            dw1, dw2 = ops.backward_weights(dO_TD, x_TD, aprime_RF, dH_RG, meta)
+
+            def weight_grads():
+                return ops.backward_weights(dO_TD, x_TD, aprime_RF, dH_RG, meta)
+
+            hook = ctx.weight_grad_hook
+            dw1, dw2 = weight_grads() if hook is None else hook(weight_grads)
         dscores_R = dscores_R.to(scores_R.dtype) if ctx.needs_input_grad[1] else None
         dx_TD = dx_TD if ctx.needs_input_grad[0] else None
-        return (dx_TD, dscores_R, dw1, dw2, None, None) + (None,) * len(meta_tensors)
+        return (dx_TD, dscores_R, dw1, dw2, None, None, None) + (None,) * len(meta_tensors)
 
 
 def compute_metadata(
@@ -248,6 +257,7 @@ def moe_experts(
     activation: str = "swiglu",
     backend: str = "auto",
     check_indices: bool | None = None,
+    weight_grad_hook: WeightGradHook | None = None,
 ) -> torch.Tensor:
     """SonicMoE experts: ``O[t] = sum_{(t, e, s)} s * fc2_e(act(fc1_e(x[t])))``, O [T, D] in x's dtype.
 
@@ -262,6 +272,9 @@ def moe_experts(
         backend: ``auto`` (``cute`` on Hopper, else ``torch``), ``torch`` or ``cute``. The environment
             variable SONIC_MEGATRON_BACKEND overrides ``auto``.
         check_indices: read index values back to validate their range and order (default: on CPU only).
+        weight_grad_hook: called in backward with a function computing ``(dW1, dW2)``; returns what autograd
+            gets for the weights (e.g. ``(None, None)`` after accumulating them elsewhere, or after deferring the
+            call, as Megatron's ``main_grad`` fusion and ``backward_dw()`` do). None: plain autograd.
 
     Gradients reach x, the routing scores, w1 and w2.
     """
@@ -273,4 +286,4 @@ def moe_experts(
         # Inference: no autograd node and no H (SonicMoE stores only A). This must be decided here: inside
         # Function.forward grad mode is always off and ctx.needs_input_grad ignores torch.no_grad().
         return ops.forward(x_TD, scores_R, w1_EGD, w2_EDF, meta, activation, store_h=False)[0]
-    return MoEExpertsFunction.apply(x_TD, scores_R, w1_EGD, w2_EDF, ops, activation, *meta.tensors())
+    return MoEExpertsFunction.apply(x_TD, scores_R, w1_EGD, w2_EDF, ops, activation, weight_grad_hook, *meta.tensors())

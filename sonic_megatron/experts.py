@@ -24,8 +24,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from .checkpoint import drop_extra_state_keys, stacked_experts_sharded_state_dict
 from .config import SonicConfig, kernels_activation
-from .experts_function import sonic_experts
-from .kernels import FlatRouting
+from .kernels import FlatRouting, moe_experts
 from .kernels.activations import is_gated
 from .kernels.routing import Routing
 from .megatron_compat import default_pg_collection, expert_rng_context
@@ -121,14 +120,14 @@ class SonicExperts(MegatronModule):
     # ------------------------------------------------------------------------------------------------
     def compute(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Combined output [T, H] of the local experts for a kernels routing over local expert ids."""
-        return sonic_experts(
+        return moe_experts(
             x_TD,
             routing,
             self.weight1,
             self.weight2,
             activation=self.activation,
             backend=self.sonic_config.backend,
-            sink=self.wgrad,
+            weight_grad_hook=self.wgrad.grads_for_autograd,  # main_grad fusion, delayed wgrad
         )
 
     def forward(
