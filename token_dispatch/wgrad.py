@@ -29,6 +29,7 @@ class DeferredWeightGrad:
     def num_pending(self) -> int:
         return len(self._pending)
 
+    @torch.no_grad()  # called outside autograd's backward (backward_dw), where the saved tensors may require grad
     def compute(self) -> None:
         """Run the recorded weight-gradient GEMMs and accumulate them (then forget them)."""
         pending, self._pending = self._pending, []
