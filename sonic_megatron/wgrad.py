@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 
+from .token_dispatch.wgrad import accumulate_weight_grad
+
 
 class WeightGradSink:
     """Receives (w1, w2) weight gradients for one experts module."""
@@ -72,14 +74,7 @@ class WeightGradSink:
         while self._pending:
             grads = self._pending.popleft()()
             for p, g in zip(self.params, grads, strict=True):
-                if self.fuse_main_grad and getattr(p, "main_grad", None) is not None:
-                    p.main_grad.add_(g.to(p.main_grad.dtype))
-                    if hasattr(p, "grad_added_to_main_grad"):
-                        p.grad_added_to_main_grad = True
-                elif p.grad is None:
-                    p.grad = g.to(p.dtype)
-                else:
-                    p.grad.add_(g.to(p.grad.dtype))
+                accumulate_weight_grad(p, g, use_main_grad=self.fuse_main_grad)
         for hook in self._hooks:
             hook(None)  # DDP's hook takes (*unused)
 

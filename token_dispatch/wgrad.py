@@ -7,6 +7,19 @@ from collections.abc import Callable
 import torch
 
 
+def accumulate_weight_grad(w: torch.Tensor, g: torch.Tensor, use_main_grad: bool = True) -> None:
+    """Add ``g`` to ``w.main_grad`` when it exists and ``use_main_grad`` (setting Megatron's
+    ``w.grad_added_to_main_grad = True``), else to ``w.grad`` (created if absent), in that buffer's dtype."""
+    main = getattr(w, "main_grad", None) if use_main_grad else None
+    if main is not None:
+        main.add_(g.to(main.dtype))
+        w.grad_added_to_main_grad = True
+    elif w.grad is None:
+        w.grad = g.to(w.dtype)
+    else:
+        w.grad.add_(g.to(w.grad.dtype))
+
+
 class DeferredWeightGrad:
     """Collects the expert weight-gradient GEMMs of backward passes instead of running them.
 
@@ -36,13 +49,5 @@ class DeferredWeightGrad:
         for fn, w1, w2 in pending:
             dw1, dw2 = fn()
             for w, g in ((w1, dw1), (w2, dw2)):
-                if not w.requires_grad:
-                    continue
-                main = getattr(w, "main_grad", None)
-                if main is not None:
-                    main.add_(g.to(main.dtype))
-                    w.grad_added_to_main_grad = True
-                elif w.grad is None:
-                    w.grad = g.to(w.dtype)
-                else:
-                    w.grad.add_(g.to(w.grad.dtype))
+                if w.requires_grad:
+                    accumulate_weight_grad(w, g)
