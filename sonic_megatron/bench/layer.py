@@ -21,6 +21,10 @@ layer is GPU-bound (host_ms well below ms): a host-bound layer hides all-to-alls
 ``rel_diff_out`` / ``rel_diff_dx``: max relative difference of the output / dX against the first
 ``--chunks`` value (a check of the chunk plumbing; chunking only changes dW's rounding).
 ``bitwise`` says whether the output and all gradients with overlap equal those without, bit for bit.
+``--count-ops`` replaces the timing by a count of ours' host work (``token_dispatch/launch_count.py``), per
+chunk count: would-be kernel launches, collectives and host syncs of ``make_plan`` alone, of the forward
+(plan included) and of the backward; the forward's launches between the plan's last host sync and the first
+row all-to-all; and, in brackets, the launches inside the experts backend (not the EP glue). Rank 0's counts.
 ``--profile DIR`` also runs torch.profiler over a few steps per chunk count (overlap on) and writes, per
 rank 0, a table of the ``ep.*`` phase ranges and the top kernels (device and host time) and a Chrome trace.
 Router and token rounding are outside the timed region (both providers get the same top-K routing).
@@ -50,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile", default=None, help="directory for torch.profiler tables/traces of ours (rank 0); off if unset"
     )
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps per chunk count (default 3)")
+    parser.add_argument(
+        "--count-ops",
+        action="store_true",
+        help="only count ours' host work per chunk count (would-be kernel launches, collectives, host syncs of "
+        "make_plan, forward, backward; token_dispatch.launch_count) instead of timing; works on CPU/gloo",
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -249,6 +259,68 @@ def _profile(fn, chunks: int, steps: int, out_dir: str, rank: int, device) -> No
     prof.export_chrome_trace(os.path.join(out_dir, f"trace_chunks{chunks}_rank0.json"))
 
 
+class _RegionOps:
+    """A kernels backend whose calls are tallied under the "experts" region of the counter ``holder[0]``."""
+
+    def __init__(self, ops, holder: list) -> None:
+        self._ops, self._holder = ops, holder
+
+    def __getattr__(self, name):
+        fn = getattr(self._ops, name)
+        if name not in ("forward", "backward_data", "backward_weights"):
+            return fn
+
+        def call(*a, **k):
+            with self._holder[0].region("experts"):
+                return fn(*a, **k)
+
+        return call
+
+
+def _count_ops(layer_call, plan_call, grad, chunk_list) -> list[dict]:
+    """This rank's host-work counts of ours per chunk count (see the module docstring)."""
+    from ..token_dispatch import layer as layer_mod
+    from ..token_dispatch.launch_count import LaunchCounter
+
+    rows = []
+    resolve = layer_mod.resolve_backend
+    holder: list = [None]  # the counter that the experts' calls report to (forward, then backward)
+    layer_mod.resolve_backend = lambda *a, **k: _RegionOps(resolve(*a, **k), holder)
+    try:
+        for chunks in chunk_list:
+            holder[0] = LaunchCounter()
+            layer_call(chunks).backward(grad)  # warm-up: lazy imports and first-call work are not per-call cost
+            with LaunchCounter() as lc_plan:
+                plan_call(chunks)
+            lc_fwd = holder[0] = LaunchCounter()
+            with lc_fwd:
+                out = layer_call(chunks)
+            lc_bwd = holder[0] = LaunchCounter()
+            with lc_bwd:
+                out.backward(grad)
+            p, f, b = lc_plan.summary(), lc_fwd.summary(), lc_bwd.summary()
+            rows.append(
+                dict(
+                    chunks=chunks,
+                    plan_launches=p["launches"],
+                    plan_collectives=p["collectives"],
+                    plan_syncs=p["syncs"],
+                    fwd_launches=f["launches"],
+                    fwd_experts=f.get("launches[experts]", 0),
+                    fwd_collectives=f["collectives"],
+                    fwd_syncs=f["syncs"],
+                    sync_to_row_a2a=f.get("launches_sync_to_row_a2a"),
+                    bwd_launches=b["launches"],
+                    bwd_experts=b.get("launches[experts]", 0),
+                    bwd_collectives=b["collectives"],
+                    bwd_syncs=b["syncs"],
+                )
+            )
+    finally:
+        layer_mod.resolve_backend = resolve
+    return rows
+
+
 def run(args) -> int:
     from ..kernels import TopKRouting
     from ..token_dispatch import expert_parallel_experts, make_plan
@@ -292,6 +364,34 @@ def run(args) -> int:
         return [out] + [t.grad.clone() for t in (x, scores, w1, w2)]
 
     chunk_list = [int(c) for c in args.chunks.split(",")]
+    if args.count_ops:
+
+        def layer_call(chunks):
+            return expert_parallel_experts(
+                x, routing, w1, w2, group=group, num_experts=E, backend=args.backend, num_chunks=chunks
+            )
+
+        def plan_call(chunks):
+            return make_plan(
+                routing,
+                num_experts=E,
+                group=group,
+                x_TD=x,
+                w1_EGD=w1,
+                w2_EDF=w2,
+                activation="swiglu",
+                num_chunks=chunks,
+            )
+
+        rows = _count_ops(layer_call, plan_call, grad, chunk_list)
+        if rank == 0:
+            print(f"bench layer --count-ops: P={P} T={T} d={D} n={Fn} E={E} K={K} {args.dtype} on {device.type}")
+            print_table(rows, list(rows[0]))
+            config = dict(P=P, T=T, d=D, n=Fn, E=E, K=K, dtype=args.dtype, device=device.type, backend=args.backend)
+            write_json(args.json, {"benchmark": "layer-count-ops", "config": config, "rows": rows})
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
     first = None
     if args.profile:
         for chunks in chunk_list:
