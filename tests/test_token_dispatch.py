@@ -415,3 +415,17 @@ def test_weight_grads_run_while_backward_all_to_all_in_flight(monkeypatch):
         assert not waits_between, f"chunk {c}: dW must not wait for its all-to-all: {bwd}"
     last_dw = max(i for i, e in enumerate(bwd) if e == "backward_weights")
     assert "wait" in bwd[last_dw:], f"the backward all-to-alls are waited for after the last dW: {bwd}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [0, 1, 7])
+def test_scores_ride_in_pair_metadata_bitwise(dtype, n):
+    """Scores travel as int32 columns of the pair-metadata all-to-all: the round trip is exact for every dtype."""
+    from sonic_megatron.token_dispatch.plan import score_columns, scores_from_columns
+
+    s = (torch.randn(n, dtype=torch.float64) * 3).to(dtype)
+    cols = score_columns(s)
+    assert cols.dtype == torch.int32 and cols.shape == (n, 2 if dtype == torch.float64 else 1)
+    meta = torch.cat([torch.full((n, 2), -7, dtype=torch.int32), cols], dim=1)  # as on the wire
+    back = scores_from_columns(meta[:, 2:], dtype)
+    assert back.dtype == dtype and torch.equal(back.view(-1), s)

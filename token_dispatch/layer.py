@@ -1,8 +1,9 @@
 """``expert_parallel_experts``: the whole expert-parallel MoE experts block as ONE autograd node, pipelined.
 
 Shape legend: see ``plan.py``. Forward, per chunk c (N = num_chunks):
-    all dispatch all-to-alls are launched at once (async, in chunk order); for each c: wait for chunk c's
-    rows and scores, run the local experts on it, launch its combine all-to-all; finally wait and sum.
+    all dispatch all-to-alls are launched at once (async, in chunk order), then the receive metadata is
+    built from the plan's pair all-to-alls (scores ride in them) while the rows travel; for each c: wait for
+    chunk c's rows, run the local experts on it, launch its combine all-to-all; finally wait and sum.
     So the dispatch of chunk c+1 and the combine of chunk c-1 are in flight while chunk c computes.
 Backward, per chunk c:
     all dO all-to-alls (and X's, with ``redispatch_x_in_backward``) are launched at once; for each c: wait
@@ -36,18 +37,16 @@ def record_function(name: str):
     return contextlib.nullcontext()
 
 
-def _launch_rows(plan: EPPlan, x_TD: torch.Tensor, recv_UD: torch.Tensor, eager: bool, pair_send=None) -> list:
-    """Launch every chunk's row all-to-all (and, with ``pair_send = (send_R, recv_Q)``, its pair all-to-all
-    right after it), chunk by chunk: NCCL runs one group's collectives in launch order, so chunk c waits only
-    for chunks <= c. Each chunk's send rows are gathered just before its launch, so chunk 0 leaves early."""
+def _launch_rows(plan: EPPlan, x_TD: torch.Tensor, recv_UD: torch.Tensor, eager: bool) -> list:
+    """Launch every chunk's row all-to-all, chunk by chunk: NCCL runs one group's collectives in launch order,
+    so chunk c waits only for chunks <= c. Each chunk's send rows are gathered just before its launch, so
+    chunk 0 leaves early."""
     send_SD = x_TD.new_empty(plan.num_send_rows, x_TD.shape[1])
     pend = [Pending(eager) for _ in range(plan.num_chunks)]
     for c in range(plan.num_chunks):
         s0, s1 = plan.send_row_range(c)
         torch.index_select(x_TD, 0, plan.send_token_idx_S[s0:s1], out=send_SD[s0:s1])
         X.rows_to_experts(plan, send_SD, X.recv_rows(plan, recv_UD, c), c, pend[c])
-        if pair_send is not None:
-            X.pairs_to_experts(plan, pair_send[0], X.recv_pairs(plan, pair_send[1], c), c, pend[c])
     return pend
 
 
@@ -56,10 +55,14 @@ class _EPExperts(torch.autograd.Function):
     def forward(ctx, x_TD, scores_R, w1, w2, plan, ops, activation, redispatch, wgrad, overlap):
         N, D, eager = plan.num_chunks, x_TD.shape[1], not overlap
         x_recv = x_TD.new_empty(plan.num_recv_rows, D)
-        s_send = X.send_pair_scores(plan, scores_R.detach())
-        s_recv = s_send.new_empty(plan.num_recv_pairs)
+        metas = plan.recv_meta if eager else None  # no overlap: the pair all-to-alls complete before the rows
         with record_function("ep.fwd.dispatch_launch"):
-            pend_x = _launch_rows(plan, x_TD, x_recv, eager, (s_send, s_recv))
+            pend_x = _launch_rows(plan, x_TD, x_recv, eager)
+        # Receive metadata and scores (they came with the plan's pair all-to-alls, launched before the rows):
+        # built while the row all-to-alls are in flight.
+        with record_function("ep.fwd.recv_metadata"):
+            metas = plan.recv_meta
+            s_recv = plan.recv_scores()
         store_h = any(ctx.needs_input_grad[:4])
         y_send = x_TD.new_empty(plan.num_send_rows, D)
         pend_y, hs, keep = Pending(eager), [], []
@@ -71,7 +74,7 @@ class _EPExperts(torch.autograd.Function):
                     X.recv_pairs(plan, s_recv, c),
                     w1,
                     w2,
-                    plan.recv_meta[c],
+                    metas[c],
                     activation,
                     store_h,
                 )

@@ -7,19 +7,27 @@ Shape legend (extends ``kernels/routing.py``):
     U  received rows of one chunk, ordered (source rank, token)      Q  received pairs of one chunk
 
 A token crosses to a destination rank once, however many of its experts live there (dedup). Its pairs on
-that rank travel as int32 (row within the (chunk, source) segment, local expert) plus the score; the
-receiver turns them into a ``FlatRouting`` over its L local experts whose "tokens" are receive-buffer
-rows, so the local grouped GEMM gathers straight from the receive buffer (no second permutation).
+that rank travel as int32 (row within the (chunk, source) segment, local expert, the score's bits: one
+column for float32 and 16-bit floats, two for float64); the receiver turns them into a ``FlatRouting``
+over its L local experts whose "tokens" are receive-buffer rows, so the local grouped GEMM gathers
+straight from the receive buffer (no second permutation).
 
-Collectives and host syncs of ``make_plan`` (each one needed to size NCCL buffers):
-  * no rounding: ONE all-gather of [18 + 2 * 16 * P] int64 (header + per-(chunk, destination) row and
-    pair counts, sized for up to MAX_CHUNKS = 16 chunks so that every rank sends the same size even when
-    their inputs disagree) and ONE host copy of it (split sizes must be host ints for all_to_all_single; the header
-    check rides along); then one all-to-all per chunk of the pairs' int32 metadata (sizes known).
-  * rounding: the same all-gather (counts left empty) and host copy come first (so bad input fails
-    before rounding), then rounding's one candidate all-gather and two host syncs (the all-ranks
-    duplicate-pair flags, a few bytes; ``nonzero``: the rounded pair count), then the counts all-gather
-    and its host copy.
+Order of ``make_plan`` -- the host sync drains the GPU queue, so as little as possible comes after it:
+  1. before the sync, on the device: validation header, send layout and everything of the send side that
+     needs no host size, sized by R (>= S send rows) and sliced after the sync: send rows' tokens, pair
+     metadata + score bits, combine order and offsets (``_send_side``).
+  2. no rounding: ONE all-gather of [18 + 2 * 16 * P] int64 (header + per-(chunk, destination) row and
+     pair counts, sized for up to MAX_CHUNKS = 16 chunks so that every rank sends the same size even when
+     their inputs disagree) and ONE host copy of it (split sizes must be host ints for all_to_all_single;
+     the header check rides along).
+     rounding: the same all-gather (counts left empty) and host copy come first (so bad input fails before
+     rounding), then rounding's one candidate all-gather and two host syncs (the all-ranks duplicate-pair
+     flags, a few bytes; ``nonzero``: the rounded pair count), then the send side, the counts all-gather
+     and its host copy.
+  3. after the sync: host split lists, then at once one all-to-all per chunk of the pair metadata (sizes
+     known), NOT waited for. ``make_plan`` returns; the caller launches its row all-to-alls and only then
+     touches ``plan.recv_meta`` / ``plan.recv_scores()``, which wait for the pair all-to-alls and build the
+     receive metadata (``_recv_metadata``) while the rows are in flight.
 """
 
 from __future__ import annotations
@@ -43,8 +51,9 @@ class EPPlan:
     send_token_idx_S: source token of every send row.  send_pair_idx: flat pair index of every sent pair,
     in send order.  combine_order_S / combine_offsets: send rows grouped by token in destination order
     (the fixed summation order of combine).  send_rows / send_pairs / recv_rows / recv_pairs: host
-    [N][P] split sizes.  recv_meta: per chunk, RoutingMetadata over the L local experts of the received
-    pairs (rows index that chunk's receive buffer).  rounding: the RoundingResult when rounding was applied.
+    [N][P] split sizes.  recv_meta (property, built on first use): per chunk, RoutingMetadata over the L
+    local experts of the received pairs (rows index that chunk's receive buffer).  recv_scores(): the
+    received pairs' scores.  rounding: the RoundingResult when rounding was applied.
     """
 
     group: object
@@ -65,9 +74,30 @@ class EPPlan:
     send_pairs: list[list[int]]
     recv_rows: list[list[int]]
     recv_pairs: list[list[int]]
-    recv_meta: list[RoutingMetadata]
     rounding: RoundingResult | None = None
     _offsets: dict = field(default_factory=dict, repr=False)
+    _incoming: tuple | None = field(default=None, repr=False)  # (pending pair all-to-alls, meta_QC, counts)
+    _recv_meta: list | None = field(default=None, repr=False)
+
+    # --- the receive side: pair metadata and scores arrive by the plan's (async) all-to-alls -------------
+    def _received(self) -> tuple[torch.Tensor, torch.Tensor]:
+        pending, meta_QC, counts_dev = self._incoming
+        pending.wait()  # no-op after the first call
+        return meta_QC, counts_dev
+
+    @property
+    def recv_meta(self) -> list[RoutingMetadata]:
+        """Per chunk, RoutingMetadata over the L local experts of the received pairs (rows index that
+        chunk's receive buffer). Built on first access, which waits for the plan's pair all-to-alls: call it
+        after launching the row all-to-alls so that both are in flight together."""
+        if self._recv_meta is None:
+            self._recv_meta = _recv_metadata(self, *self._received())
+        return self._recv_meta
+
+    def recv_scores(self) -> torch.Tensor:
+        """The received pairs' scores [Q] (dtype of ``scores_R``), in receive order; a new tensor per call."""
+        meta_QC, _ = self._received()
+        return scores_from_columns(meta_QC[:, 2:], self.scores_R.dtype)
 
     # --- host-side offsets of each chunk inside the send / receive buffers ------------------------------
     def _cum(self, name: str) -> list[int]:
@@ -156,7 +186,56 @@ def _send_layout(tok_R, exp_R, T, L, P, N):
     bounds = torch.searchsorted(seg_s, torch.arange(N * P + 1, dtype=seg_s.dtype, device=device))
     pairs_NP = bounds[1:] - bounds[:-1]
     rows_NP = new_before[bounds[1:]] - new_before[bounds[:-1]]
-    return order, seg_s, tok_s, dest_R[order], row_of_pair, rows_NP, pairs_NP
+    return order, seg_s, tok_s, row_of_pair, rows_NP, pairs_NP
+
+
+def score_columns(scores_R: torch.Tensor) -> torch.Tensor:
+    """The scores' bits as int32 columns [R, 1 or 2] (they ride in the pair-metadata all-to-all): float32 as
+    is, float64 as two columns, 16-bit floats widened to float32 first (exact)."""
+    s = scores_R.detach()
+    if s.dtype != torch.float64:
+        s = s.float()
+    return s.contiguous().view(torch.int32).view(s.numel(), 2 if s.dtype == torch.float64 else 1)
+
+
+def scores_from_columns(cols_QC: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``score_columns`` for the received pairs: [Q] of ``dtype`` (a new tensor)."""
+    wire = torch.float64 if dtype == torch.float64 else torch.float32
+    s = cols_QC.contiguous().view(wire).reshape(-1)
+    return s.to(dtype) if s.dtype != dtype else s
+
+
+@dataclass
+class _SendSide:
+    """The send side of a plan, all on the device and sized by R (>= S): nothing here needs a host size, so it
+    is all launched BEFORE the plan's host sync and sliced to S after it."""
+
+    order: torch.Tensor  # send_pair_idx [R]
+    send_token_idx_R: torch.Tensor  # [R]; rows S.. hold the sentinel T
+    combine_order_R: torch.Tensor  # [R]; the first S entries are the combine order of the S send rows
+    combine_offsets: torch.Tensor  # [T + 1]
+    pair_meta_RC: torch.Tensor  # int32 [R, 2 + score columns]: row in segment, local expert, score bits
+    rows_NP: torch.Tensor
+    pairs_NP: torch.Tensor
+
+
+def _send_side(tok_R, exp_R, scores_R, T, L, P, N) -> _SendSide:
+    order, seg_s, tok_s, row_of_pair, rows_NP, pairs_NP = _send_layout(tok_R, exp_R, T, L, P, N)
+    R, device = tok_R.numel(), tok_R.device
+    # Send rows number S <= R (host-known only after the sync): an R buffer whose rows past S keep the
+    # sentinel T, so that they sort after every real row in the combine order below and are sliced off.
+    send_token_idx_R = torch.full((R,), T, dtype=torch.int64, device=device)
+    send_token_idx_R.scatter_(0, row_of_pair, tok_s)  # duplicates of a row write the same token
+    seg_row_start = torch.cumsum(rows_NP, 0) - rows_NP
+    row_in_seg = row_of_pair - seg_row_start[seg_s]
+    local_exp = exp_R[order].remainder(L)  # = expert - destination * L (expert indices checked >= 0)
+    cols = [row_in_seg.to(torch.int32).unsqueeze(1), local_exp.to(torch.int32).unsqueeze(1)]
+    pair_meta_RC = torch.cat([*cols, score_columns(scores_R)[order]], dim=1)
+    # int32 keys: half the radix passes of int64 (tokens < 2^31).
+    keys_R = send_token_idx_R.to(torch.int32) if T < 2**31 else send_token_idx_R
+    sorted_keys, combine_order_R = torch.sort(keys_R, stable=True)
+    combine_offsets = torch.searchsorted(sorted_keys, torch.arange(T + 1, device=device, dtype=keys_R.dtype))
+    return _SendSide(order, send_token_idx_R, combine_order_R, combine_offsets, pair_meta_RC, rows_NP, pairs_NP)
 
 
 def make_plan(
@@ -227,20 +306,17 @@ def make_plan(
         device=device,
     )
 
-    def counts_slot(rows_NP=None, pairs_NP=None):
+    def counts_slot(side: _SendSide | None) -> list[torch.Tensor]:
         # Fixed size (MAX_CHUNKS) so that ranks passing different num_chunks still exchange equal sizes.
-        slot = torch.zeros(2, V.MAX_CHUNKS * P, dtype=torch.int64, device=device)
-        if rows_NP is not None:
-            slot[0, : N * P], slot[1, : N * P] = rows_NP, pairs_NP
-        return slot.reshape(-1)
+        if side is None:
+            return [torch.zeros(2 * V.MAX_CHUNKS * P, dtype=torch.int64, device=device)]
+        pad = torch.zeros((V.MAX_CHUNKS - N) * P, dtype=torch.int64, device=device)
+        return [side.rows_NP, pad, side.pairs_NP, pad]
 
-    if error is None and rounding is None:
-        order, seg_s, tok_s, dest_s, row_of_pair, rows_NP, pairs_NP = _send_layout(tok_R, exp_R, T, L, P, N)
-        slot = counts_slot(rows_NP, pairs_NP)
-    else:
-        slot = counts_slot()
+    # Everything that needs no host size is launched before the sync: the send side (sized by R).
+    side = _send_side(tok_R, exp_R, scores_R, T, L, P, N) if error is None and rounding is None else None
     # The one host sync of the plan without rounding: header + split sizes (the header check rides along).
-    gathered_dev = all_gather(torch.cat([hdr, slot]), group)
+    gathered_dev = all_gather(torch.cat([hdr, *counts_slot(side)]), group)
     gathered = gathered_dev.tolist()
     V.check_headers([g[: V.HEADER_LEN] for g in gathered], error, group, num_experts)
     counts_P = [g[V.HEADER_LEN :] for g in gathered]
@@ -251,11 +327,11 @@ def make_plan(
             tok_R, exp_R, scores_R, rounding_scores_TE, num_experts=num_experts, rounding=rounding, group=group
         )
         tok_R, exp_R, scores_R = rounded.token_idx_R, rounded.expert_idx_R, rounded.scores_R
-        order, seg_s, tok_s, dest_s, row_of_pair, rows_NP, pairs_NP = _send_layout(tok_R, exp_R, T, L, P, N)
-        counts_dev = all_gather(counts_slot(rows_NP, pairs_NP), group)
+        side = _send_side(tok_R, exp_R, scores_R, T, L, P, N)
+        counts_dev = all_gather(torch.cat(counts_slot(side)), group)
         counts_P = counts_dev.tolist()  # host sync: sizes after rounding
 
-    # Host split sizes [N][P].
+    # --- after the sync: host split sizes [N][P], then at once the pair-metadata all-to-alls ---------------
     def split(src: int, c: int, pairs: bool) -> list[int]:
         base = V.MAX_CHUNKS * P if pairs else 0
         return counts_P[src][base + c * P : base + (c + 1) * P]
@@ -264,22 +340,7 @@ def make_plan(
     send_pairs = [split(rank, c, True) for c in range(N)]
     recv_rows = [[split(src, c, False)[rank] for src in range(P)] for c in range(N)]
     recv_pairs = [[split(src, c, True)[rank] for src in range(P)] for c in range(N)]
-
     S = sum(map(sum, send_rows))
-    send_token_idx_S = torch.empty(S, dtype=torch.int64, device=device)
-    send_token_idx_S.scatter_(0, row_of_pair, tok_s)  # duplicates of a row write the same token
-    seg_row_start = torch.cumsum(rows_NP, 0) - rows_NP
-    row_in_seg = row_of_pair - seg_row_start[seg_s]
-    local_exp = exp_R[order] - dest_s * L
-    pair_meta_R2 = torch.stack([row_in_seg, local_exp], dim=1).to(torch.int32)
-
-    # int32 keys: half the radix passes of int64 (tokens < 2^31).
-    keys_S = send_token_idx_S.to(torch.int32) if T < 2**31 else send_token_idx_S
-    combine_order_S = torch.sort(keys_S, stable=True).indices
-    combine_offsets = torch.searchsorted(
-        send_token_idx_S[combine_order_S], torch.arange(T + 1, device=device, dtype=torch.int64)
-    )
-
     plan = EPPlan(
         group=group,
         rank=rank,
@@ -291,28 +352,27 @@ def make_plan(
         token_idx_R=tok_R,
         expert_idx_R=exp_R,
         scores_R=scores_R,
-        send_token_idx_S=send_token_idx_S,
-        send_pair_idx=order,
-        combine_order_S=combine_order_S,
-        combine_offsets=combine_offsets,
+        send_token_idx_S=side.send_token_idx_R[:S],
+        send_pair_idx=side.order,
+        combine_order_S=side.combine_order_R[:S],
+        combine_offsets=side.combine_offsets,
         send_rows=send_rows,
         send_pairs=send_pairs,
         recv_rows=recv_rows,
         recv_pairs=recv_pairs,
-        recv_meta=[],
         rounding=rounded,
     )
-    # Pair metadata: one all-to-all per chunk (sizes known; no sync).
-    recv_meta_Q2 = torch.empty(plan.num_recv_pairs, 2, dtype=torch.int32, device=device)
+    # Pair metadata (and scores): one all-to-all per chunk, launched now and NOT waited for: the receive
+    # metadata is built on first use of ``plan.recv_meta`` (after the caller launched its row all-to-alls).
+    meta_QC = side.pair_meta_RC.new_empty(plan.num_recv_pairs, side.pair_meta_RC.shape[1])
     pending = Pending()
     for c in range(N):
         s0, s1 = plan.send_pair_range(c)
         r0, r1 = plan.recv_pair_range(c)
         pending.add(
-            all_to_all(recv_meta_Q2[r0:r1], pair_meta_R2[s0:s1], recv_pairs[c], send_pairs[c], group, async_op=True)
+            all_to_all(meta_QC[r0:r1], side.pair_meta_RC[s0:s1], recv_pairs[c], send_pairs[c], group, async_op=True)
         )
-    pending.wait()
-    plan.recv_meta = _recv_metadata(plan, recv_meta_Q2, counts_dev)
+    plan._incoming = (pending, meta_QC, counts_dev)
     return plan
 
 
@@ -328,7 +388,7 @@ def _metadata_builder(device: torch.device):
     return compute_metadata_torch
 
 
-def _recv_metadata(plan: EPPlan, recv_meta_Q2: torch.Tensor, counts_dev: torch.Tensor) -> list[RoutingMetadata]:
+def _recv_metadata(plan: EPPlan, recv_meta_QC: torch.Tensor, counts_dev: torch.Tensor) -> list[RoutingMetadata]:
     """Per chunk, RoutingMetadata of the received pairs over the L local experts (rows index that chunk's
     receive buffer). Built ONCE for all chunks -- experts (chunk, local expert), N*L of them, so chunk c's
     expert-sorted rows are exactly its pair range -- then shifted per chunk (5 int32 ops a chunk). Split
@@ -340,8 +400,8 @@ def _recv_metadata(plan: EPPlan, recv_meta_Q2: torch.Tensor, counts_dev: torch.T
     recv_pairs_NP = counts_dev[:, V.MAX_CHUNKS * P + cols].t().reshape(-1)
     seg_Q = torch.repeat_interleave(torch.arange(N * P, device=device), recv_pairs_NP, output_size=Q)
     seg_row0 = torch.cumsum(recv_rows_NP, 0) - recv_rows_NP  # first receive row of each (chunk, source)
-    row_Q = recv_meta_Q2[:, 0].long() + seg_row0[seg_Q]  # row in the whole receive buffer (non-decreasing)
-    key_Q = torch.div(seg_Q, P, rounding_mode="floor") * L + recv_meta_Q2[:, 1].long()
+    row_Q = recv_meta_QC[:, 0].long() + seg_row0[seg_Q]  # row in the whole receive buffer (non-decreasing)
+    key_Q = torch.div(seg_Q, P, rounding_mode="floor") * L + recv_meta_QC[:, 1].long()
     token_offsets = torch.searchsorted(row_Q, torch.arange(U + 1, device=device, dtype=torch.int64))
     meta = _metadata_builder(device)(row_Q.int(), key_Q.int(), token_offsets.int(), N * L)
     if N == 1:

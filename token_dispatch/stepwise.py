@@ -40,13 +40,7 @@ class _Dispatch(torch.autograd.Function):
     def forward(ctx, x_TD, scores_R, plan):
         ctx.plan, ctx.scores_like = plan, (scores_R.shape, scores_R.dtype, scores_R.device)
         recv_UD = _all_rows(plan, X.gather_send_rows(plan, x_TD.contiguous()))
-        send_s = X.send_pair_scores(plan, scores_R.detach())
-        recv_s = send_s.new_empty(plan.num_recv_pairs)
-        pending = Pending()
-        for c in range(plan.num_chunks):
-            X.pairs_to_experts(plan, send_s, X.recv_pairs(plan, recv_s, c), c, pending)
-        pending.wait()
-        return recv_UD, recv_s
+        return recv_UD, plan.recv_scores()  # the scores came with the plan's pair all-to-alls
 
     @staticmethod
     def backward(ctx, dx_recv, ds_recv):

@@ -13,8 +13,9 @@ Providers (same routing, same weights, bf16):
 The share of all-to-all time hidden, per chunk count N:
     a2a_hidden = clip((t(N, overlap off) - t(N, overlap on)) / t_a2a(N), 0, 1)
 where "overlap off" makes the compute stream wait for every all-to-all right after its launch (same kernels,
-same bits) and t_a2a(N) is the layer's all-to-alls alone with the SAME N-chunk plan (forward: rows + scores
-to the experts, rows back; backward: dO rows to the experts, dX rows and dS back), run back to back. It is
+same bits) and t_a2a(N) is the layer's all-to-alls alone with the SAME N-chunk plan (forward: rows to the
+experts -- scores ride in the plan's pair-metadata all-to-all -- and rows back; backward: dO rows to the
+experts, dX rows and dS back), run back to back. It is
 the share of the N-chunk layer's own communication that the schedule hides; it reads right only when the
 layer is GPU-bound (host_ms well below ms): a host-bound layer hides all-to-alls in launch gaps too.
 ``host_ms`` is the time until the Python call (forward + backward) returns, before the final device sync.
@@ -168,8 +169,9 @@ def megatron_layer(disp, x, routing_map, probs_TE, w1_LDG, w2_LFD):
 
 
 def _a2a_alone(plan, x, device, args) -> float:
-    """Seconds of the layer's all-to-alls alone with this plan (its chunking): forward rows + scores to the
-    experts and rows back, backward dO rows to the experts and dX rows + dS back."""
+    """Seconds of the layer's all-to-alls alone with this plan (its chunking): forward rows to the experts and
+    rows back, backward dO rows to the experts and dX rows + dS back. (The forward's scores ride in the
+    plan's pair-metadata all-to-all, which is part of the plan, not timed here.)"""
     from ..token_dispatch import exchange as X
     from ..token_dispatch.comm import Pending
     from ..token_dispatch.stepwise import _all_rows, _all_rows_back
@@ -179,22 +181,18 @@ def _a2a_alone(plan, x, device, args) -> float:
     s_send = torch.zeros(plan.send_pair_idx.numel(), dtype=torch.float32, device=device)
     s_recv = s_send.new_empty(plan.num_recv_pairs)
 
-    def pairs(to_experts: bool):
+    def scores_back():
         pend = Pending()
         for c in range(plan.num_chunks):
-            if to_experts:
-                X.pairs_to_experts(plan, s_send, X.recv_pairs(plan, s_recv, c), c, pend)
-            else:
-                X.pairs_to_sources(plan, X.recv_pairs(plan, s_recv, c), s_send, c, pend)
+            X.pairs_to_sources(plan, X.recv_pairs(plan, s_recv, c), s_send, c, pend)
         pend.wait()
 
     def fn():
         _all_rows(plan, send)  # forward dispatch
-        pairs(True)
         _all_rows_back(plan, recv)  # forward combine
         _all_rows(plan, send)  # backward dO
         _all_rows_back(plan, recv)  # backward dX
-        pairs(False)
+        scores_back()
 
     return timed(fn, device, args.warmup, args.iters)
 
