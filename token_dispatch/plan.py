@@ -388,22 +388,61 @@ def _metadata_builder(device: torch.device):
     return compute_metadata_torch
 
 
+def _recv_rows_keys_torch(
+    meta_QC: torch.Tensor,
+    counts_PW: torch.Tensor,
+    *,
+    rank,
+    world_size,
+    num_local_experts,
+    num_chunks,
+    pair_base,
+    num_recv_rows,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row_Q, key_Q, token_offsets) int32 of the received pairs with PyTorch ops: the reference of (and the
+    CPU path for) the one-launch Triton kernel ``kernels/triton/ep_recv.py`` (its docstring defines them)."""
+    N, P, L, device = num_chunks, world_size, num_local_experts, counts_PW.device
+    Q, U = meta_QC.shape[0], num_recv_rows
+    cols = rank + P * torch.arange(N, device=device)  # column of (chunk c, destination = this rank)
+    recv_rows_NP = counts_PW[:, cols].t().reshape(-1)  # [(chunk, source)] rows received
+    recv_pairs_NP = counts_PW[:, pair_base + cols].t().reshape(-1)
+    seg_Q = torch.repeat_interleave(torch.arange(N * P, device=device), recv_pairs_NP, output_size=Q)
+    seg_row0 = torch.cumsum(recv_rows_NP, 0) - recv_rows_NP  # first receive row of each (chunk, source)
+    row_Q = meta_QC[:, 0].long() + seg_row0[seg_Q]  # row in the whole receive buffer (non-decreasing)
+    key_Q = torch.div(seg_Q, P, rounding_mode="floor") * L + meta_QC[:, 1].long()
+    token_offsets = torch.searchsorted(row_Q, torch.arange(U + 1, device=device, dtype=torch.int64))
+    return row_Q.int(), key_Q.int(), token_offsets.int()
+
+
+def _recv_rows_keys(meta_QC: torch.Tensor, counts_PW: torch.Tensor, **kw):
+    """One Triton launch on CUDA, PyTorch's ops elsewhere (same int32 results)."""
+    if counts_PW.is_cuda:
+        try:
+            from ..kernels.triton import ep_recv_rows_keys
+
+            return ep_recv_rows_keys(meta_QC, counts_PW, **kw)
+        except ImportError:
+            pass
+    return _recv_rows_keys_torch(meta_QC, counts_PW, **kw)
+
+
 def _recv_metadata(plan: EPPlan, recv_meta_QC: torch.Tensor, counts_dev: torch.Tensor) -> list[RoutingMetadata]:
     """Per chunk, RoutingMetadata of the received pairs over the L local experts (rows index that chunk's
     receive buffer). Built ONCE for all chunks -- experts (chunk, local expert), N*L of them, so chunk c's
     expert-sorted rows are exactly its pair range -- then shifted per chunk (5 int32 ops a chunk). Split
     sizes come from the device copy of the counts exchange: no host-to-device copy, no stream sync."""
-    N, P, L, rank, device = plan.num_chunks, plan.world_size, plan.num_local_experts, plan.rank, counts_dev.device
-    Q, U = plan.num_recv_pairs, plan.num_recv_rows
-    cols = rank + P * torch.arange(N, device=device)  # column of (chunk c, destination = this rank)
-    recv_rows_NP = counts_dev[:, cols].t().reshape(-1)  # [(chunk, source)] rows received
-    recv_pairs_NP = counts_dev[:, V.MAX_CHUNKS * P + cols].t().reshape(-1)
-    seg_Q = torch.repeat_interleave(torch.arange(N * P, device=device), recv_pairs_NP, output_size=Q)
-    seg_row0 = torch.cumsum(recv_rows_NP, 0) - recv_rows_NP  # first receive row of each (chunk, source)
-    row_Q = recv_meta_QC[:, 0].long() + seg_row0[seg_Q]  # row in the whole receive buffer (non-decreasing)
-    key_Q = torch.div(seg_Q, P, rounding_mode="floor") * L + recv_meta_QC[:, 1].long()
-    token_offsets = torch.searchsorted(row_Q, torch.arange(U + 1, device=device, dtype=torch.int64))
-    meta = _metadata_builder(device)(row_Q.int(), key_Q.int(), token_offsets.int(), N * L)
+    N, L = plan.num_chunks, plan.num_local_experts
+    row_Q, key_Q, token_offsets = _recv_rows_keys(
+        recv_meta_QC,
+        counts_dev,
+        rank=plan.rank,
+        world_size=plan.world_size,
+        num_local_experts=L,
+        num_chunks=N,
+        pair_base=V.MAX_CHUNKS * plan.world_size,
+        num_recv_rows=plan.num_recv_rows,
+    )
+    meta = _metadata_builder(counts_dev.device)(row_Q, key_Q, token_offsets, N * L)
     if N == 1:
         return [meta]
     out = []

@@ -3,13 +3,16 @@
     metadata.py    routing metadata (expert offsets and the three index arrays), device-side, no host sync
     gather_sum.py  deterministic fp32 gather-and-sum over each token's pairs: the forward aggregation
                    O_t = sum_j s_j Y[row(j)] and the backward dX_t = sum_j dX~[row(j)]
+    ep_recv.py     expert-parallel receive side: each received pair's row and (chunk, local expert) key,
+                   and the rows' CSR offsets, from the all-gathered split sizes (token_dispatch/plan.py)
 
 No atomics: every output element is written by exactly one program, sums run in a fixed order, so two runs
 give bitwise equal results. They run on CPU too under ``TRITON_INTERPRET=1`` (tests/test_triton_interpret.py).
 Importing this package needs ``triton`` (not a dependency of CPU installs).
 """
 
+from .ep_recv import ep_recv_rows_keys
 from .gather_sum import gather_sum
 from .metadata import compute_metadata_triton
 
-__all__ = ["compute_metadata_triton", "gather_sum"]
+__all__ = ["compute_metadata_triton", "ep_recv_rows_keys", "gather_sum"]
