@@ -158,18 +158,24 @@ class EPPlan:
 
 
 def _flat(routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if isinstance(routing, TopKRouting) and routing.indices_TK.dim() == 2:  # 2 launches (no CSR offsets)
+        T, K = routing.indices_TK.shape
+        tok = torch.arange(T, device=routing.indices_TK.device).unsqueeze(1).expand(T, K).reshape(-1)
+        return tok, routing.indices_TK.reshape(-1).long(), routing.scores_TK.reshape(-1)
     tok, exp, scores, _ = flatten_routing(routing)
     return tok.long(), exp.long(), scores
 
 
 def _send_layout(tok_R, exp_R, T, L, P, N):
     """Device-side send layout: (pair order, sorted segment ids, sorted tokens, send row of each sorted pair,
-    per-segment row counts [N*P], per-segment pair counts [N*P]). No host sync."""
+    per-segment row counts [N*P], per-segment pair counts [N*P], first send row of each segment [N*P]).
+    No host sync."""
     device = tok_R.device
     R = tok_R.numel()
-    dest_R = torch.div(exp_R, L, rounding_mode="floor").clamp(0, P - 1)  # clamped: bad indices fail later
-    chunk_R = torch.div(tok_R.clamp(min=0) * N, max(T, 1), rounding_mode="floor").clamp(0, N - 1)
-    seg_R = chunk_R * P + dest_R
+    seg_R = torch.div(exp_R, L, rounding_mode="floor").clamp(0, P - 1)  # destination; bad indices fail later
+    if N > 1:
+        chunk_R = torch.div(tok_R.clamp(min=0) * N, max(T, 1), rounding_mode="floor").clamp(0, N - 1)
+        seg_R = chunk_R * P + seg_R
     # Pairs arrive sorted by token; a stable sort by segment keeps tokens ascending inside a segment. The
     # narrowest key dtype: CUDA's radix sort makes one pass per key byte (int16: 2 passes, int64: 8).
     key_dtype = torch.int16 if N * P <= 2**15 else torch.int32
@@ -180,13 +186,12 @@ def _send_layout(tok_R, exp_R, T, L, P, N):
     if R > 1:
         is_new[1:] = key[1:] != key[:-1]
     new_before = torch.zeros(R + 1, dtype=torch.int64, device=device)  # send rows started before pair i
-    torch.cumsum(is_new.long(), 0, out=new_before[1:])
+    torch.cumsum(is_new, 0, dtype=torch.int64, out=new_before[1:])
     row_of_pair = new_before[1:] - 1
     # Per-segment counts from the segment boundaries of the sorted pairs (no atomics, unlike index_add_).
     bounds = torch.searchsorted(seg_s, torch.arange(N * P + 1, dtype=seg_s.dtype, device=device))
-    pairs_NP = bounds[1:] - bounds[:-1]
-    rows_NP = new_before[bounds[1:]] - new_before[bounds[:-1]]
-    return order, seg_s, tok_s, row_of_pair, rows_NP, pairs_NP
+    rows_before = new_before[bounds]  # [N*P + 1] send rows before each segment
+    return order, seg_s, tok_s, row_of_pair, rows_before.diff(), bounds.diff(), rows_before[:-1]
 
 
 def score_columns(scores_R: torch.Tensor) -> torch.Tensor:
@@ -220,13 +225,12 @@ class _SendSide:
 
 
 def _send_side(tok_R, exp_R, scores_R, T, L, P, N) -> _SendSide:
-    order, seg_s, tok_s, row_of_pair, rows_NP, pairs_NP = _send_layout(tok_R, exp_R, T, L, P, N)
+    order, seg_s, tok_s, row_of_pair, rows_NP, pairs_NP, seg_row_start = _send_layout(tok_R, exp_R, T, L, P, N)
     R, device = tok_R.numel(), tok_R.device
     # Send rows number S <= R (host-known only after the sync): an R buffer whose rows past S keep the
     # sentinel T, so that they sort after every real row in the combine order below and are sliced off.
     send_token_idx_R = torch.full((R,), T, dtype=torch.int64, device=device)
     send_token_idx_R.scatter_(0, row_of_pair, tok_s)  # duplicates of a row write the same token
-    seg_row_start = torch.cumsum(rows_NP, 0) - rows_NP
     row_in_seg = row_of_pair - seg_row_start[seg_s]
     local_exp = exp_R[order].remainder(L)  # = expert - destination * L (expert indices checked >= 0)
     cols = [row_in_seg.to(torch.int32).unsqueeze(1), local_exp.to(torch.int32).unsqueeze(1)]
@@ -316,7 +320,7 @@ def make_plan(
     # Everything that needs no host size is launched before the sync: the send side (sized by R).
     side = _send_side(tok_R, exp_R, scores_R, T, L, P, N) if error is None and rounding is None else None
     # The one host sync of the plan without rounding: header + split sizes (the header check rides along).
-    gathered_dev = all_gather(torch.cat([hdr, *counts_slot(side)]), group)
+    gathered_dev = all_gather(torch.cat([*hdr, *counts_slot(side)]), group)
     gathered = gathered_dev.tolist()
     V.check_headers([g[: V.HEADER_LEN] for g in gathered], error, group, num_experts)
     counts_P = [g[V.HEADER_LEN :] for g in gathered]

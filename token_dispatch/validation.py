@@ -177,10 +177,11 @@ def header(
     w2_EDF: torch.Tensor | None,
     activation: str | None,
     top_k: int,
-    index_stats: torch.Tensor | None,
+    index_stats: list | None,
     device: torch.device,
-) -> torch.Tensor:
-    """The int64 header of this rank (fields in the module docstring) on ``device``."""
+) -> list[torch.Tensor]:
+    """The int64 header of this rank (fields in the module docstring) on ``device``, as pieces whose
+    concatenation is the header (the caller concatenates them with the split sizes in one launch)."""
     vals = {
         0: int(error),
         1: num_tokens,
@@ -201,11 +202,18 @@ def header(
     host = [-1] * HEADER_LEN
     for i, v in vals.items():
         host[i] = v
-    # Built on the host and copied without a stream sync (a blocking H2D copy would wait for the GPU).
-    h = torch.tensor(host, dtype=torch.int64).to(device, non_blocking=True)
-    if index_stats is not None and not error:
-        h[10:13] = index_stats
-    return h
+    stats = index_stats if index_stats is not None and not error else [-1, -1, -1]
+    for i, v in enumerate(stats):
+        host[10 + i] = v if isinstance(v, int) else -1
+    # Built on the host and copied without a stream sync: pinned memory, so the copy is truly asynchronous (a
+    # pageable or blocking H2D copy may wait for the GPU's queue).
+    h = torch.tensor(host, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    parts, start = [], 0
+    for i, v in enumerate(stats):
+        if isinstance(v, torch.Tensor):  # computed on the device: spliced in by the caller's concatenation
+            parts += [h[start : 10 + i], v.reshape(1)]
+            start = 11 + i
+    return [*parts, h[start:]]
 
 
 def check_headers(headers_PH, local_error: str | None, group, num_experts: int) -> None:
@@ -236,13 +244,13 @@ def check_headers(headers_PH, local_error: str | None, group, num_experts: int) 
         )
 
 
-def index_stats(token_idx_R: torch.Tensor, expert_idx_R: torch.Tensor, num_tokens: int, flat: bool) -> torch.Tensor:
-    """[min expert, max expert, token problem flag] on the device (no host sync); [-1, -1, -1] for no pairs."""
+def index_stats(token_idx_R: torch.Tensor, expert_idx_R: torch.Tensor, num_tokens: int, flat: bool) -> list:
+    """[min expert, max expert, token problem flag]: 0-d int64/bool device tensors (no host sync) or host ints
+    (all -1 for no pairs; flag 0 for top-K routing, whose tokens are 0..T-1 by construction)."""
     if expert_idx_R.numel() == 0:
-        return torch.full((3,), -1, dtype=torch.int64, device=expert_idx_R.device)
-    e = expert_idx_R.long()
-    bad_tok = torch.zeros((), dtype=torch.int64, device=e.device)
-    if flat:
-        t = token_idx_R.long()
-        bad_tok = ((t.min() < 0) | (t.max() >= num_tokens) | (t[1:] < t[:-1]).any()).long()
-    return torch.stack([e.min(), e.max(), bad_tok])
+        return [-1, -1, -1]
+    lo, hi = expert_idx_R.long().aminmax()
+    if not flat:
+        return [lo, hi, 0]
+    t = token_idx_R.long()
+    return [lo, hi, (t.min() < 0) | (t.max() >= num_tokens) | (t[1:] < t[:-1]).any()]
