@@ -76,7 +76,9 @@ def _check_rows(meta: RoutingMetadata) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _gemm(gemm: str, F: int, A, B, out, *, cu_seqlens_m=None, cu_seqlens_k=None, A_idx=None, concat_layout=None):
+def _gemm(
+    gemm: str, F: int, D: int, A, B, out, *, cu_seqlens_m=None, cu_seqlens_k=None, A_idx=None, concat_layout=None
+):
     pol = policy()
     if pol == "heuristic":
         qgemm.gemm_tuned.fn(
@@ -87,7 +89,7 @@ def _gemm(gemm: str, F: int, A, B, out, *, cu_seqlens_m=None, cu_seqlens_k=None,
             cu_seqlens_k=cu_seqlens_k,
             A_idx=A_idx,
             dynamic_scheduler=False,
-            config=heuristic_config(gemm, F),
+            config=heuristic_config(gemm, F, D),
             concat_layout=concat_layout,
         )
     else:
@@ -116,7 +118,7 @@ def _gemm_gated(F: int, A, B, preact_out, postact_out, activation, cu_seqlens_m,
             cu_seqlens_m=cu_seqlens_m,
             A_idx=A_idx,
             dynamic_scheduler=False,
-            config=heuristic_config("up", F),
+            config=heuristic_config("up", F, A.shape[1]),
             concat_layout=("B",),
         )
     else:
@@ -150,7 +152,7 @@ def _gemm_dgated(F: int, A, B, preact, dx_out, postact_out, colvec_scale, activa
             cu_seqlens_m=cu_seqlens_m,
             A_idx=A_idx,
             dynamic_scheduler=False,
-            config=heuristic_config("dh", F),
+            config=heuristic_config("dh", F, A.shape[1]),
         )
     return qgemm.gemm_dgated(
         A,
@@ -202,7 +204,7 @@ def forward(
         F, x_TD, w1_EGD.permute(0, 2, 1), h_RG, a_RF, _QUACK_ACT[activation], meta.expert_offsets, meta.x_gather_idx
     )
     y_RD = torch.empty(R, D, dtype=x_TD.dtype, device=x_TD.device)
-    _gemm("down", F, a_RF, w2_EDF.permute(0, 2, 1), y_RD, cu_seqlens_m=meta.expert_offsets)
+    _gemm("down", F, D, a_RF, w2_EDF.permute(0, 2, 1), y_RD, cu_seqlens_m=meta.expert_offsets)
     del a_RF
     o_TD = gather_sum(y_RD, meta, scores_R.detach(), pairs_per_token=_pairs_per_token(meta))
     return o_TD, h_RG
@@ -246,7 +248,7 @@ def backward_data(
     dscores_R = torch.empty(R, dtype=torch.float32, device=dev)
     dscores_R.index_copy_(0, meta.s_scatter_idx.long(), ds_rows_R)
     dxg_RD = torch.empty(R, D, dtype=dt, device=dev)
-    _gemm("dx", F, dH_RG, w1_EGD, dxg_RD, cu_seqlens_m=meta.expert_offsets, concat_layout=("B",))
+    _gemm("dx", F, D, dH_RG, w1_EGD, dxg_RD, cu_seqlens_m=meta.expert_offsets, concat_layout=("B",))
     dx_TD = gather_sum(dxg_RD, meta, None, pairs_per_token=_pairs_per_token(meta))
     return dx_TD, dscores_R, (aprime_RF, dH_RG)
 
@@ -266,13 +268,14 @@ def backward_weights(
     if meta.num_rows == 0 or T == 0:
         return torch.zeros(E, 2 * F, D, dtype=dt, device=dev), torch.zeros(E, D, F, dtype=dt, device=dev)
     dw2_EDF = torch.empty(E, D, F, dtype=dt, device=dev)
-    _gemm("dw2", F, dO_TD.t(), aprime_RF, dw2_EDF, cu_seqlens_k=meta.expert_offsets, A_idx=meta.x_gather_idx)
+    _gemm("dw2", F, D, dO_TD.t(), aprime_RF, dw2_EDF, cu_seqlens_k=meta.expert_offsets, A_idx=meta.x_gather_idx)
     dw1_EGD = torch.empty(E, 2 * F, D, dtype=dt, device=dev)
     # out (L, M=D, N=2F) is a transposed view of dw1_EGD; "out" in concat_layout writes the interleaved
     # gate/up columns of dH back as [gate ; up] rows.
     _gemm(
         "dw1",
         F,
+        D,
         x_TD.t(),
         dH_RG,
         dw1_EGD.permute(0, 2, 1),

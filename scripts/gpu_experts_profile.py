@@ -1,0 +1,102 @@
+"""Where the experts' time goes on one GPU: kernel table of `ours` and sonic-moe (fwd, fwd+bwd) under the torch
+profiler, and a sweep of the Triton gather-sum's launch parameters against the memory-bandwidth bound.
+
+    source .devbundle/setup.sh; python3 scripts/gpu_experts_profile.py --config 32768,2048,1024,64,8 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+from torch.profiler import ProfilerActivity, profile
+
+from sonic_megatron.bench import experts as B
+
+
+def kernel_table(fn, steps: int = 3) -> list[tuple[str, int, float]]:
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0:
+            rows.append((e.key[:90], e.count // steps, e.self_device_time_total / steps / 1000))
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def gather_sum_sweep(T, D, K):
+    from sonic_megatron.kernels.triton.gather_sum import _gather_sum_kernel
+
+    R = T * K
+    rows = torch.randn(R, D, device="cuda").bfloat16()
+    rev = torch.randperm(R, device="cuda").int()
+    off = (torch.arange(T + 1, device="cuda") * K).int()
+    w = torch.rand(R, device="cuda")
+    out = torch.empty(T, D, device="cuda", dtype=torch.bfloat16)
+    bytes_moved = R * D * 2 + T * D * 2 + R * 8
+    res = []
+    for block_d in (256, 512, 1024, 2048):
+        for warps in (2, 4, 8):
+            if block_d > triton.next_power_of_2(D):
+                continue
+
+            def go(block_d=block_d, warps=warps):
+                _gather_sum_kernel[(T, triton.cdiv(D, block_d))](
+                    rows, w, rev, off, out, D, rows.stride(0), out.stride(0),
+                    HAS_W=True, BLOCK_J=8, BLOCK_D=block_d, num_warps=warps,
+                )  # fmt: skip
+
+            ms = triton.testing.do_bench(go, warmup=25, rep=200)
+            res.append({"block_d": block_d, "num_warps": warps, "ms": ms, "GBps": bytes_moved / ms / 1e6})
+            print(res[-1], flush=True)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="32768,2048,1024,64,8")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    T, d, n, E, K = (int(v) for v in args.config.split(","))
+    import sonic_megatron.kernels.cute  # noqa: F401
+
+    provs = B._make_providers(["ours", "sonic"], T, d, n, E, K, 0)
+    report = {"config": args.config}
+    g = torch.randn(T, d, device="cuda").bfloat16()
+    for name, val in provs.items():
+        if isinstance(val, Exception):
+            report[name] = repr(val)
+            continue
+        fn, inputs = val
+
+        def fwd(fn=fn):  # with autograd on, as `bench experts` times it (stores what backward needs)
+            fn()
+
+        def fwd_bwd(fn=fn, inputs=inputs):
+            fn().backward(g)
+            for t in inputs:
+                t.grad = None
+
+        for phase, f in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+            table = kernel_table(f)
+            total = sum(r[2] for r in table)
+            report[f"{name}_{phase}"] = {"total_ms": total, "kernels": table[:30]}
+            print(f"\n== {name} {phase}: kernel total {total:.3f} ms per step")
+            for k, c, ms in table[:30]:
+                print(f"  {ms:8.3f} ms  x{c:<3d} {k}")
+    print("\n== gather_sum sweep (bf16 rows, fp32 weights)")
+    report["gather_sum_sweep"] = gather_sum_sweep(T, d, K)
+    with open(os.path.join(args.out, f"experts-profile-{args.config.replace(',', '_')}.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
