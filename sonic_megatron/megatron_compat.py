@@ -146,3 +146,27 @@ def patch_megatron_for_cpu() -> None:
 
     mp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     _CPU_PATCHED = True
+
+
+# ----------------------------------------------------------------------------------------------------------
+# dist_checkpointing.save without psutil
+# ----------------------------------------------------------------------------------------------------------
+
+
+def allow_checkpoint_save_without_psutil() -> bool:
+    """Make ``dist_checkpointing.save`` (torch_dist format) work when ``psutil`` is not installed; returns
+    True when it patched something.
+
+    Why: megatron-core 0.16.1 .. 0.19.2 write each checkpoint file in a forked process
+    (``FileSystemWriterAsync.write_preloaded_data``) whose first statement, outside its try block, logs the
+    process memory through psutil -- which megatron-core does not declare as a dependency. Without psutil
+    that process dies before it reports, and the saving rank waits on ``count_queue.join()`` forever (this
+    was the "save hangs on CPU" of the gloo tests: it hangs the same way on GPUs). The memory figure only
+    feeds a debug log line, so without psutil it reads 0.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "HAVE_PSUTIL", True):
+        return False
+    filesystem_async._process_memory = lambda: 0
+    return True

@@ -2,8 +2,8 @@
 nothing. A checkpoint here is what dist_checkpointing writes -- every main-replica ShardedTensor of the
 layer's sharded_state_dict (factories applied) placed at its global offset -- gathered over gloo into
 global tensors, and loading fills each rank's sharded tensors from them and merges the factories, as
-dist_checkpointing.load does. (dist_checkpointing.save itself, torch_dist format, hangs on this CPU-only
-gloo setup inside its writer processes, so the file I/O is left to the GPU check.) Chain:
+dist_checkpointing.load does, so that this test sees every shard; the real checkpoint directories
+(dist_checkpointing.save/load, torch_dist) are tested in test_megatron_checkpoint_files.py. Chain:
 stock EP=4 -> Sonic EP=2 -> Sonic EP=1 -> stock EP=4 and stock EP=2, with the values compared against the
 global weights after every load; and the Sonic sharded state dict has exactly SequentialMLP's keys, global
 shapes and per-expert offsets."""
