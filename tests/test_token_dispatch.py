@@ -429,3 +429,32 @@ def test_scores_ride_in_pair_metadata_bitwise(dtype, n):
     meta = torch.cat([torch.full((n, 2), -7, dtype=torch.int32), cols], dim=1)  # as on the wire
     back = scores_from_columns(meta[:, 2:], dtype)
     assert back.dtype == dtype and torch.equal(back.view(-1), s)
+
+
+def _host_order_worker(rank, P, N):
+    from sonic_megatron.token_dispatch.launch_count import LaunchCounter
+
+    case = global_case("random", P, seed=5, E=8)
+    off, T, x, logits, _, _ = _leaves(case, rank, P, torch.float32)
+    routing = build_routing(case, logits, off, T)
+    L = 8 // P
+    w1, w2 = (case[k][rank * L : (rank + 1) * L].float().clone().requires_grad_() for k in ("w1", "w2"))
+    kw = dict(group=dist.group.WORLD, num_experts=8, backend="torch", num_chunks=N)
+    expert_parallel_experts(x, routing, w1, w2, **kw).sum().backward()  # warm-up
+    with LaunchCounter() as lc:
+        expert_parallel_experts(x, routing, w1, w2, **kw)
+    kinds = [k for k, _, _ in lc.events if k != "launch"]
+    return lc.summary(), kinds
+
+
+@pytest.mark.parametrize("N", [1, 2])
+def test_forward_host_order(N):
+    """Issue #4: after the plan's one host sync the forward launches the pair all-to-alls and (after the one X
+    gather) the row all-to-alls before anything else; scores need no all-to-all of their own."""
+    for summary, kinds in run_distributed(_host_order_worker, 2, N):
+        assert summary["launches_sync_to_row_a2a"] <= 1, summary
+        first_sync = kinds.index("sync")
+        # all-gather (header + counts), sync, N pair all-to-alls, N row all-to-alls, then N row all-to-alls back
+        assert kinds[: first_sync + 1] == ["collective", "sync"], kinds
+        assert kinds[first_sync + 1 : first_sync + 1 + 2 * N] == ["collective"] * N + ["row_a2a"] * N, kinds
+        assert summary["collectives"] == 1 + 3 * N, summary

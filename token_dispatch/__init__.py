@@ -27,7 +27,7 @@ Refinements of the team contract (all contract names work as specified):
   * ``redispatch_x_in_backward`` applies to ``expert_parallel_experts``; in the step-wise form
     ``local_experts`` caches the received rows.
 Modules: comm (collectives), validation (header), rounding, plan, exchange (row movement), stepwise,
-layer (pipelined single node), wgrad.
+layer (pipelined single node), wgrad, launch_count (host-work counter of `bench layer --count-ops`).
 """
 
 from .layer import expert_parallel_experts
