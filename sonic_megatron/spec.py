@@ -12,11 +12,29 @@ with ``SonicExperts`` routed experts, ``SonicRouter``, and the original shared e
 everything else are untouched. It walks layer specs, ``TransformerBlockSubmodules`` (mixed dense/MoE layer
 lists, e.g. ``--moe-layer-freq``), block ``ModuleSpec``s and MTP block submodules alike.
 
-``--spec sonic_megatron.spec <name>`` with Megatron-LM's ``pretrain_gpt.py``:
-* ``sonic_local_layer_spec`` / ``sonic_te_layer_spec`` (a ready layer ``ModuleSpec``; every version): every
-  layer is a MoE layer (``--moe-layer-freq`` 1) built from Megatron's local / Transformer Engine GPT layer
-  spec. ``sonic_te_layer_spec`` exists only when Transformer Engine is importable. 0.16-0.18's
-  ``gpt_builders`` accept only such a ModuleSpec (a function raises "specialize for function").
+``--spec sonic_megatron.spec <name>`` with Megatron-LM's ``pretrain_gpt.py`` -- which name per version:
+
+==================  =====================================  ==============================================
+megatron-core       name                                   what that branch's launcher does with it
+==================  =====================================  ==============================================
+0.16, 0.17, 0.18    ``sonic_local_layer_spec``             ``gpt_builders.gpt_builder``: ``import_module(
+                    (``sonic_te_layer_spec`` with TE)      args.spec)`` -> ``GPTModel(transformer_layer_
+                                                           spec=...)`` as is: a layer ModuleSpec, repeated
+                                                           ``--num-layers`` times. A function is refused
+                                                           there ("specialize for function").
+0.19                ``sonic_block_spec``                   ``GPTModelBuilder`` calls it with
+                                                           ``(config, vp_stage)``.
+==================  =====================================  ==============================================
+
+* ``sonic_local_layer_spec`` / ``sonic_te_layer_spec`` (ready layer ``ModuleSpec``s): every layer is a MoE
+  layer (``--moe-layer-freq`` 1) built from Megatron's local / Transformer Engine GPT layer spec with default
+  options: flags that shape a spec (``--qk-layernorm``, ``--multi-latent-attention``, mixed dense/MoE
+  layers) are not followed -- build your own spec with ``swap_moe_spec`` / ``gpt_block_spec`` for those.
+  ``sonic_te_layer_spec`` exists only when Transformer Engine is importable. On 0.16-0.18
+  ``--mtp-num-layers`` cannot be combined with any ``--spec`` (that ``gpt_builder`` reads ``use_te``, which
+  only its no-spec branch sets). Checked: tests/test_megatron_launcher_spec.py replays that consumption on
+  the installed megatron-core, and with ``SONIC_MEGATRON_MLM_DIR`` also calls a branch's real
+  ``gpt_builder``; scripts/gpu_pretrain_gpt_legacy.sh runs core_r0.18.0's pretrain_gpt.py on GPUs.
 * ``sonic_block_spec`` (a function ``fn(config, vp_stage=None)``; megatron-core >= 0.19 where
   ``GPTModelBuilder`` calls it): Megatron's ``default_layer_spec(config, vp_stage)`` swapped, so mixed
   dense/MoE layers, VPP and MTP follow the usual flags.
