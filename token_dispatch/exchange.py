@@ -24,12 +24,9 @@ def rows_to_sources(plan: EPPlan, recv_chunk: torch.Tensor, send_SD: torch.Tenso
     pending.add(all_to_all(send_SD[s0:s1], recv_chunk, plan.send_rows[c], plan.recv_rows[c], plan.group, True))
 
 
-def pairs_to_experts(plan: EPPlan, send_R: torch.Tensor, recv_chunk: torch.Tensor, c: int, pending: Pending) -> None:
-    s0, s1 = plan.send_pair_range(c)
-    pending.add(all_to_all(recv_chunk, send_R[s0:s1], plan.recv_pairs[c], plan.send_pairs[c], plan.group, True))
-
-
 def pairs_to_sources(plan: EPPlan, recv_chunk: torch.Tensor, send_R: torch.Tensor, c: int, pending: Pending) -> None:
+    """Launch chunk c's all-to-all of per-received-pair values (dS) back to the pairs' sources; async. (Pair
+    values towards the experts -- the scores -- ride in the plan's pair-metadata all-to-all.)"""
     s0, s1 = plan.send_pair_range(c)
     pending.add(all_to_all(send_R[s0:s1], recv_chunk, plan.send_pairs[c], plan.recv_pairs[c], plan.group, True))
 
@@ -64,10 +61,6 @@ def sum_rows_per_token(plan: EPPlan, rows_SD: torch.Tensor) -> torch.Tensor:
     ordered = rows_SD.index_select(0, plan.combine_order_S).to(ct)
     out = torch.segment_reduce(ordered, "sum", offsets=plan.combine_offsets, axis=0, unsafe=True)
     return out.to(rows_SD.dtype)
-
-
-def send_pair_scores(plan: EPPlan, scores_R: torch.Tensor) -> torch.Tensor:
-    return scores_R.index_select(0, plan.send_pair_idx)
 
 
 def scatter_pair_grads(plan: EPPlan, dscores_send: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
