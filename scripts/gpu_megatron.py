@@ -15,7 +15,7 @@ later steps are skipped when time runs out):
   ckpt       torchrun x4: real dist_checkpointing.save/load directories (torch_dist) along stock MoELayer
              (SequentialMLP) EP=4 -> Sonic EP=2 (x expert-DP 2) -> Sonic EP=1 -> stock EP=4: expert and router
              weights bitwise equal to the original global weights after every load, the layer output on a
-             fixed input equal at the end; $OUT/ckpt_summary.json (per hop: max abs diffs, pass).
+             fixed input equal at the end; $OUT/ckpt_summary.json (per hop: max abs diffs, files, pass).
   overlap    examples/pretrain_gpt_sonic.py (2-layer OLMoE-like, EP=4) with --overlap-moe-expert-parallel-comm
              (Megatron's 1F1B EP A2A overlap schedule), then (overlap_delay_wgrad) also --delay-wgrad-compute
              (deferred expert wgrad in backward_dw; Megatron also defers attention wgrad then, which its local,
@@ -320,13 +320,14 @@ def _ckpt_output(layer, rank: int, device):
     return out.float().cpu()
 
 
-def ckpt_worker(rank: int, world: int, out: str, chain=CKPT_CHAIN_4) -> dict:
+def ckpt_worker(rank: int, world: int, out: str, chain=CKPT_CHAIN_4, ckpt_root: str | None = None) -> dict:
     """Run the checkpoint chain with real ``dist_checkpointing.save/load`` (torch_dist) directories under
-    ``out/ckpt``: per hop, the max abs difference of the loaded expert and router weights from the original
-    global weights (must be 0: bitwise) and of the layer output on a fixed input from hop 0's output
-    (the last hop, the same layer kind and EP size as hop 0, must give 0; Sonic hops are reported, fp32 with
-    a different EP size may differ by rounding). Returns the per-hop summary (the same on every rank) and
-    writes it to ``out/ckpt_summary.json`` on rank 0. The process group must already exist."""
+    ``ckpt_root`` (default ``out/ckpt``; one host's ranks share it). Per hop, all-reduced over ranks: the max
+    abs difference of the loaded expert and router weights from the original global weights (must be 0:
+    bitwise) and of the layer output on a fixed input from hop 0's output (must be 0 on the last hop, the
+    same layer kind and EP size as hop 0; Sonic hops, fp32 with another EP size and summation order, must be
+    within 1e-4 of the output's magnitude). Returns the summary (the same on every rank) and writes it to
+    ``out/ckpt_summary.json`` on rank 0. The process group must already exist."""
     import shutil
 
     import torch
@@ -339,7 +340,7 @@ def ckpt_worker(rank: int, world: int, out: str, chain=CKPT_CHAIN_4) -> dict:
 
     allow_checkpoint_save_without_psutil()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    root = os.path.join(out, "ckpt")
+    root = ckpt_root or os.path.join(out, "ckpt")
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)
         os.makedirs(root)
@@ -406,8 +407,14 @@ def _ckpt_main(out: str) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=120))
-    summary = ckpt_worker(rank, world, out, CKPT_CHAIN_4 if world >= 4 else CKPT_CHAIN_2)
+    # The checkpoint directories (a few MB) stay off $OUT, which is copied back from the device.
+    root = os.path.join(os.environ.get("TMPDIR", "/tmp"), "sonic_megatron_ckpt")
+    summary = ckpt_worker(rank, world, out, CKPT_CHAIN_4 if world >= 4 else CKPT_CHAIN_2, ckpt_root=root)
     dist.barrier()
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
     dist.destroy_process_group()
     return 0 if summary["pass"] else 1
 

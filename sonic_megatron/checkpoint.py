@@ -14,6 +14,10 @@ Replica id (0, 0, expert-DP rank), as SequentialMLP. With ``metadata['singleton_
 expert gets its own key ``{prefix}experts.{e}.linear_fc1.weight`` (GLU: ``..._w`` / ``..._v``).
 Unlike 0.16's GroupedMLP no transpose is involved (the layouts already agree), so optimizer states are
 interchangeable too when the optimizer keeps them per parameter (``flattened_range`` is not supported).
+
+Saving with ``dist_checkpointing.save`` (torch_dist) needs ``psutil`` on megatron-core 0.16.1 .. 0.19.2 (its
+writer process dies without it and the save hangs); without psutil call
+``sonic_megatron.megatron_compat.allow_checkpoint_save_without_psutil()`` first.
 """
 
 from __future__ import annotations
