@@ -21,10 +21,11 @@ later steps are skipped when time runs out):
              (deferred expert wgrad in backward_dw; Megatron also defers attention wgrad then, which its local,
              non-Transformer-Engine linears may not support -- the log tells which layer failed).
   bench      bench train, 4-layer OLMoE-like model (EP=4): tokens/s/GPU and peak memory, plugin vs stock.
-  curves     bench train, 2-layer OLMoE-like model, 40 steps, plugin vs stock from the same seed (loss curves).
+  curves     bench train, 2-layer OLMoE-like model, CURVE_STEPS (default 200) steps, plugin vs stock from the same
+             seed (loss curves).
   twonode    examples/demo.py as two torchrun "nodes" of 2 GPUs (localhost rendezvous, EP=4).
   rounding   as curves with token rounding (nearest, tile 128), plugin only.
-Env: OUT, TOTAL_S, STEPS (comma-separated step names to run; default all).
+Env: OUT, TOTAL_S, STEPS (comma-separated step names to run; default all), CURVE_STEPS.
 ``python scripts/gpu_megatron.py compare --out DIR`` is step 1's worker (under torchrun).
 """
 
@@ -94,6 +95,7 @@ def driver() -> int:
     t_start = time.time()
     summary: dict = {}
     bench = [PY, "-m", "sonic_megatron", "bench", "train"]
+    curve_steps = os.environ.get("CURVE_STEPS", "200")  # loss-curve length of curves / rounding
     overlap_args = ("--preset", "olmoe-small", "--layers", "2", "--seq", "1024", "--steps", "10")
     plan = [
         ("compare", _torchrun(4, __file__, "compare", "--out", out), 100),
@@ -106,12 +108,12 @@ def driver() -> int:
                                           "--json", os.path.join(out, "overlap_delay_wgrad.json")), 45),
         ("bench", [*bench, "--steps", "8", "--warmup", "3", "--seq", "2048",
                    "--json", os.path.join(out, "bench_train.json")], 100),
-        ("curves", [*bench, "--layers", "2", "--seq", "1024", "--steps", "40", "--warmup", "0",
-                    "--json", os.path.join(out, "train_curves.json")], 90),
+        ("curves", [*bench, "--layers", "2", "--seq", "1024", "--steps", curve_steps, "--warmup", "0",
+                    "--json", os.path.join(out, "train_curves.json")], 60 + int(curve_steps) * 0.5),
         ("twonode", None, 40),
-        ("rounding", [*bench, "--layers", "2", "--seq", "1024", "--steps", "40", "--warmup", "0",
+        ("rounding", [*bench, "--layers", "2", "--seq", "1024", "--steps", curve_steps, "--warmup", "0",
                       "--specs", "sonic", "--token-rounding", "nearest",
-                      "--json", os.path.join(out, "train_curves_rounding.json")], 50),
+                      "--json", os.path.join(out, "train_curves_rounding.json")], 40 + int(curve_steps) * 0.3),
     ]  # fmt: skip
     only = os.environ.get("STEPS")  # e.g. STEPS=blockspec,overlap: run only these steps
     if only:
