@@ -277,16 +277,10 @@ def _ckpt_global_weights():
 
 
 def _ckpt_local(layer):
-    """This rank's (fc1 [El, 2F, H], fc2 [El, H, F], router [E, H]) on the CPU."""
-    import torch
+    """This rank's (fc1, fc2, router) weights as float32 on the CPU."""
+    from sonic_megatron.testing import local_moe_weights
 
-    ex = layer.experts
-    if hasattr(ex, "local_experts"):
-        w1 = torch.stack([e.linear_fc1.weight for e in ex.local_experts])
-        w2 = torch.stack([e.linear_fc2.weight for e in ex.local_experts])
-    else:
-        w1, w2 = ex.weight1, ex.weight2
-    return tuple(t.detach().float().cpu() for t in (w1, w2, layer.router.weight))
+    return tuple(t.float().cpu() for t in local_moe_weights(layer))
 
 
 def _ckpt_expected(ep_rank: int, ep: int):

@@ -33,6 +33,7 @@ if [ "${1:-}" = prepare ]; then
 fi
 
 NPROC=${NPROC:-4}; EP=${EP:-4}; ITERS=${ITERS:-10}; OUT=${OUT:-$PWD/out}
+source "$(dirname "$0")/pretrain_gpt_args.sh"
 mkdir -p "$OUT"
 [ -f "$LEGACY_TAR" ] || { echo "missing $LEGACY_TAR: run 'bash $0 prepare' where the registry is reachable"; exit 2; }
 PREFIX=${TMPDIR:-/tmp}/mcore-legacy-0.18
@@ -44,18 +45,7 @@ python3 -c "import megatron.core as c, megatron.training as t; print('megatron-c
   2>&1 | tee "$OUT/pretrain_gpt_legacy.log"
 timeout -k 10 "${LIMIT_S:-150}" python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port 29543 \
   "$PREFIX/pretrain_gpt.py" \
-  --num-layers 2 --hidden-size 1024 --num-attention-heads 8 --seq-length 1024 --max-position-embeddings 1024 \
-  --micro-batch-size 4 --global-batch-size 16 --train-iters "$ITERS" --lr 3e-4 --min-lr 3e-5 \
-  --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0 \
-  --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 \
-  --num-experts 16 --moe-router-topk 4 --moe-ffn-hidden-size 512 --expert-model-parallel-size "$EP" \
-  --moe-token-dispatcher-type alltoall --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 \
-  --moe-router-dtype fp32 --swiglu --disable-bias-linear --normalization RMSNorm \
-  --position-embedding-type rope --untie-embeddings-and-output-weights --bf16 \
-  --transformer-impl local --no-gradient-accumulation-fusion \
-  --no-masked-softmax-fusion --no-bias-swiglu-fusion --no-persist-layer-norm --no-rope-fusion \
-  --spec sonic_megatron.spec sonic_local_layer_spec \
-  --log-interval 1 --eval-iters 0 --eval-interval 1000000 --log-throughput "$@" >> "$OUT/pretrain_gpt_legacy.log" 2>&1
+  "${PRETRAIN_GPT_ARGS[@]}" --spec sonic_megatron.spec sonic_local_layer_spec "$@" >> "$OUT/pretrain_gpt_legacy.log" 2>&1
 rc=$?
 echo "pretrain_gpt.py (core_r0.18.0, megatron-core 0.18.2) --spec sonic_megatron.spec sonic_local_layer_spec: rc $rc"
 grep -E "megatron-core|iteration +[0-9]+/|Error|error|Traceback" "$OUT/pretrain_gpt_legacy.log" | grep -vi warn | tail -25

@@ -139,3 +139,15 @@ def sonic_grads_as_sequential(sonic) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """SonicExperts' weight grads per expert, in SequentialMLP's (fc1, fc2) shapes."""
     g1, g2 = sonic.weight1.grad, sonic.weight2.grad
     return [(g1[e], g2[e]) for e in range(sonic.num_local_experts)]
+
+
+def local_moe_weights(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's (fc1 [El, 2F, H], fc2 [El, H, F], router [E, H]) of a stock (SequentialMLP) or Sonic MoE
+    layer, detached, in the layer's dtype and device."""
+    ex = layer.experts
+    if hasattr(ex, "local_experts"):
+        w1 = torch.stack([e.linear_fc1.weight for e in ex.local_experts])
+        w2 = torch.stack([e.linear_fc2.weight for e in ex.local_experts])
+    else:
+        w1, w2 = ex.weight1, ex.weight2
+    return w1.detach(), w2.detach(), layer.router.weight.detach()

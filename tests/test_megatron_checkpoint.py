@@ -16,6 +16,8 @@ import os
 import pytest
 import torch
 
+from sonic_megatron.testing import local_moe_weights
+
 E, H, F = 8, 32, 48
 
 
@@ -46,16 +48,6 @@ def _layers(kind):
     return SonicMoELayer(config, sonic_config=SonicConfig(backend="torch"))
 
 
-def _local_weights(layer):
-    ex = layer.experts
-    if hasattr(ex, "local_experts"):
-        w1 = torch.stack([e.linear_fc1.weight for e in ex.local_experts])
-        w2 = torch.stack([e.linear_fc2.weight for e in ex.local_experts])
-    else:
-        w1, w2 = ex.weight1, ex.weight2
-    return w1.detach(), w2.detach(), layer.router.weight.detach()
-
-
 @torch.no_grad()
 def _set_global(layer, rank_ep, ep):
     w1, w2, r = _global_weights()
@@ -76,7 +68,7 @@ def _check_global(layer, rank_ep, ep, what):
     w1, w2, r = _global_weights()
     n = E // ep
     sl = slice(rank_ep * n, (rank_ep + 1) * n)
-    l1, l2, lr = _local_weights(layer)
+    l1, l2, lr = local_moe_weights(layer)
     for name, got, want in (("fc1", l1, w1[sl]), ("fc2", l2, w2[sl]), ("router", lr, r)):
         assert torch.equal(got, want), f"{what}: {name} differs after load"
 
