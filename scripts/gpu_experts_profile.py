@@ -65,7 +65,7 @@ def main():
     ap.add_argument("--config", default="32768,2048,1024,64,8")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    T, d, n, E, K = (int(v) for v in args.config.split(","))
+    T, d, n, E, K = B._parse(args.config)  # bench experts' own check of T,d,n,E,K
     import sonic_megatron.kernels.cute  # noqa: F401
 
     provs = B._make_providers(["ours", "sonic"], T, d, n, E, K, 0)
