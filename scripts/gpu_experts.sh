@@ -55,6 +55,7 @@ done
 
 phase "GPU tests"
 [ "${SKIP_TESTS:-0}" = 1 ] || timeout "$(budget "${TEST_BUDGET_S:-200}")" python3 -m pytest -q -rfEs tests/test_cute_gpu.py tests/test_triton_interpret.py \
+  tests/test_triton_topk_softmax.py \
   --junitxml="$OUT/pytest.xml" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log"
 
 phase "bench experts"

@@ -2,7 +2,9 @@
 
 Providers (all compute the same function from the same weights: a bf16 linear router, softmax over the
 top-K logits, SwiGLU experts, the weighted sum; the router's time is included, its FLOPs are not):
-    ours        torch router + ``moe_experts(..., backend="cute")`` (QuACK GEMMs, our Triton kernels)
+    ours        bf16 router matmul + our fused top-K/softmax Triton kernel (``kernels.triton.topk_softmax``:
+                one launch forward, one backward) + ``moe_experts(..., backend="cute")`` (QuACK GEMMs,
+                our Triton kernels)
     sonic       sonic-moe 0.1.2 ``moe_TC_softmax_topk_layer`` (its own router/top-K kernels), when importable
     grouped_mm  torch router + sort + ``torch._grouped_mm`` up/down projections + ``index_add`` (eager PyTorch)
     bmm         the cuBLAS bound: two perfectly balanced ``torch.bmm`` (E, TK/E rows each) + SwiGLU, no routing
@@ -61,6 +63,7 @@ def _parse(config: str) -> tuple[int, int, int, int, int]:
 
 
 def _router(x, wr, K):
+    """The torch router of ``grouped_mm`` (``ours`` fuses top-K and softmax: kernels.triton.topk_softmax)."""
     logits = x @ wr.t()
     top, idx = logits.topk(K, dim=-1)
     return torch.softmax(top.float(), dim=-1), idx
@@ -83,9 +86,10 @@ def _make_providers(names, T, d, n, E, K, seed):
     out = {}
 
     if "ours" in names:
+        from sonic_megatron.kernels.triton import topk_softmax
 
         def ours():
-            scores, idx = _router(x, wr, K)
+            scores, idx = topk_softmax(x @ wr.t(), K)
             return moe_experts(x, TopKRouting(scores, idx), w1, w2, backend="cute")
 
         out["ours"] = (ours, [x, wr, w1, w2])
