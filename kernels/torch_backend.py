@@ -14,10 +14,20 @@ Transient tensors of R x D rows (gathered X, Y, gathered dO) exist here inside a
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .activations import act_forward, act_forward_backward
 from .routing import RoutingMetadata
+
+
+def reserve_sms(n: int) -> contextlib.AbstractContextManager:
+    """The backend contract's SM reservation (see ``cute/sm_budget.py``): a no-op here, PyTorch's kernels are
+    not persistent, so a concurrent collective always finds SMs."""
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"reserve_sms: n must be an int >= 0 (SMs to leave free), got {n!r}")
+    return contextlib.nullcontext()
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

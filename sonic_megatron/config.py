@@ -49,6 +49,12 @@ class SonicConfig:
         redispatch_x_in_backward: cache only this rank's input tokens and dispatch them again in backward
             instead of keeping the received tokens (saves activation memory, costs one all-to-all; pipelined
             mode as above).
+        by_source: pipeline every chunk by source rank as well: this rank's own tokens first (no
+            communication), then one point-to-point exchange per peer, each overlapping the previous one's
+            GEMMs (``dispatcher='sonic'``; pipelined mode as above).
+        comm_sms: SMs the expert GEMMs leave free while an all-to-all of the pipelined mode is in flight, so
+            that NCCL's kernel can run beside QuACK's persistent GEMMs (``cute`` backend; 0 = all SMs to the
+            GEMMs). NCCL needs one SM per channel; pick by ``bench layer --comm-sms``.
     """
 
     backend: str = "auto"
@@ -57,6 +63,8 @@ class SonicConfig:
     rounding_tile: int = 128
     num_chunks: int = 1
     redispatch_x_in_backward: bool = False
+    by_source: bool = False
+    comm_sms: int = 0
 
     def __post_init__(self) -> None:
         from .kernels import BACKENDS
@@ -68,14 +76,23 @@ class SonicConfig:
             raise ValueError(f"SonicConfig.rounding_tile must be a positive int, got {self.rounding_tile!r}")
         if not isinstance(self.num_chunks, int) or self.num_chunks < 1:
             raise ValueError(f"SonicConfig.num_chunks must be a positive int, got {self.num_chunks!r}")
+        if not isinstance(self.comm_sms, int) or self.comm_sms < 0:
+            raise ValueError(f"SonicConfig.comm_sms must be an int >= 0, got {self.comm_sms!r}")
         if self.dispatcher == "megatron" and self.token_rounding != "none":
             raise ValueError(
                 f"SonicConfig.token_rounding={self.token_rounding!r} needs dispatcher='sonic' (got "
                 "dispatcher='megatron'): Megatron's dispatchers cannot carry rounded routings consistently "
                 "(DeepEP re-derives top-K from the probs)"
             )
-        if self.dispatcher == "megatron" and (self.num_chunks != 1 or self.redispatch_x_in_backward):
-            raise ValueError("SonicConfig.num_chunks > 1 and redispatch_x_in_backward need dispatcher='sonic'")
+        if self.dispatcher == "megatron" and self.pipelined:
+            raise ValueError(
+                "SonicConfig.num_chunks > 1, by_source and redispatch_x_in_backward need dispatcher='sonic'"
+            )
+
+    @property
+    def pipelined(self) -> bool:
+        """Dispatch, experts and combine run as one pipelined call (see ``num_chunks``)."""
+        return self.num_chunks > 1 or self.by_source or self.redispatch_x_in_backward
 
     @property
     def rounding_enabled(self) -> bool:

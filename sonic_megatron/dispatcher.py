@@ -36,9 +36,10 @@ from .token_dispatch import TokenRounding, combine, dispatch, make_plan
 
 @dataclass
 class PipelinedPlan:
-    """``SonicConfig.num_chunks > 1`` or ``redispatch_x_in_backward``: planning, dispatch, experts and combine
-    all run inside ``routed_experts_compute`` (token_dispatch's pipelined ``expert_parallel_experts``, where
-    the all-to-all of one chunk overlaps another chunk's GEMMs); the other steps pass tensors through."""
+    """``SonicConfig.pipelined`` (num_chunks > 1, by_source or redispatch_x_in_backward): planning, dispatch,
+    experts and combine all run inside ``routed_experts_compute`` (token_dispatch's pipelined
+    ``expert_parallel_experts``, where the all-to-all of one stage overlaps another stage's GEMMs); the other
+    steps pass tensors through."""
 
     indices_TK: torch.Tensor
     dense_probs_TE: torch.Tensor | None
@@ -103,7 +104,7 @@ class SonicTokenDispatcher(MoETokenDispatcher):
 
     @property
     def pipelined(self) -> bool:
-        return self.sonic.num_chunks > 1 or self.sonic.redispatch_x_in_backward
+        return self.sonic.pipelined
 
     def rounding(self) -> TokenRounding:
         return TokenRounding(mode=self.sonic.token_rounding, tile=self.sonic.rounding_tile)

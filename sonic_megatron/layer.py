@@ -12,7 +12,7 @@ separate nodes) work unchanged. What changes per method, with ``SonicConfig.disp
 * routed_experts_compute: the local experts of ``SonicExperts`` on the received tokens (Sonic kernels:
   gather-fused up-projection, cached X and H only, per-token reduction before the combine).
 
-With ``num_chunks > 1`` or ``redispatch_x_in_backward`` (pipelined mode) routed_experts_compute runs
+With ``num_chunks > 1``, ``by_source`` or ``redispatch_x_in_backward`` (pipelined mode) routed_experts_compute runs
 token_dispatch's pipelined ``expert_parallel_experts`` (dispatch + experts + combine, chunk i's all-to-all
 overlapping chunk i+1's GEMMs) and dispatch/combine pass tensors through.
 
@@ -93,11 +93,11 @@ class SonicMoELayer(MoELayer):
                     "SonicConfig.dispatcher='sonic' needs MoESubmodules.experts = SonicExperts, got "
                     f"{type(self.experts).__name__} (use dispatcher='megatron' for other experts)"
                 )
-            pipelined = self.sonic.num_chunks > 1 or self.sonic.redispatch_x_in_backward
+            pipelined = self.sonic.pipelined
             if pipelined and getattr(config, "overlap_moe_expert_parallel_comm", False):
                 raise ValueError(
-                    "SonicConfig.num_chunks > 1 / redispatch_x_in_backward run dispatch, experts and combine "
-                    "as one pipelined node, which Megatron's overlap_moe_expert_parallel_comm cannot split; "
+                    "SonicConfig.num_chunks > 1 / by_source / redispatch_x_in_backward run dispatch, experts and "
+                    "combine as one pipelined node, which Megatron's overlap_moe_expert_parallel_comm cannot split; "
                     "use one or the other"
                 )
             self.token_dispatcher = SonicTokenDispatcher(
@@ -159,6 +159,8 @@ class SonicMoELayer(MoELayer):
                 rounding=disp.rounding() if plan.dense_probs_TE is not None else None,
                 rounding_scores_TE=plan.dense_probs_TE,
                 num_chunks=self.sonic.num_chunks,
+                by_source=self.sonic.by_source,
+                comm_sms=self.sonic.comm_sms,
                 redispatch_x_in_backward=self.sonic.redispatch_x_in_backward,
                 wgrad=self.experts.wgrad.ep_deferred,
             )

@@ -152,6 +152,33 @@ def test_cute_bitwise_deterministic():
         assert torch.equal(a[name], b[name]), name
 
 
+def test_reserve_sms_same_bits_fewer_clusters():
+    """GEMMs inside ``reserve_sms`` launch fewer clusters (QuACK's grid argument) and give the same bits."""
+    _require_cute()
+    import quack.gemm
+    import quack.gemm_act
+    import quack.gemm_dact
+    from quack import cute_dsl_utils
+    from sonic_megatron.kernels.cute.ops import reserve_sms
+    from sonic_megatron.kernels.cute.sm_budget import reserved_sms
+
+    full = cute_dsl_utils.get_max_active_clusters(2)
+    for module in (quack.gemm, quack.gemm_act, quack.gemm_dact):
+        assert module.get_max_active_clusters(2) == full, module.__name__
+        with reserve_sms(16):
+            assert reserved_sms() == 16
+            assert module.get_max_active_clusters(2) == full - 8, module.__name__
+        assert reserved_sms() == 0
+    args = _case(4096, 512, 256, 32, 4, kind="hot", seed=4)
+    a = _run("cute", *args)
+    with reserve_sms(40):
+        b = _run("cute", *args)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    with pytest.raises(ValueError, match="reserve_sms"), reserve_sms(-1):
+        pass
+
+
 def test_triton_metadata_matches_torch_on_gpu():
     _require_cute()
     from sonic_megatron.kernels.routing import compute_metadata_torch, flatten_routing

@@ -164,6 +164,10 @@ def _equivalence_worker(rank, P):
         ),
         "stepwise": ("random", {"mode": "stepwise"}),
         "stepwise_chunks2_empty_rank": ("empty_rank", {"mode": "stepwise", "num_chunks": 2}),
+        "by_source": ("random", {"by_source": True}),
+        "by_source_chunks2_empty_rank_deferred": ("empty_rank", {"by_source": True, "num_chunks": 2, "deferred": True}),
+        "by_source_redispatch_flat": ("flat", {"by_source": True, "redispatch_x_in_backward": True}),
+        "stepwise_by_source_skewed": ("skewed", {"mode": "stepwise", "by_source": True}),
     }
     for name, (kind, opts) in variants.items():
         case = global_case(kind, P, seed=zlib.crc32(name.encode()) % 1000)
@@ -188,16 +192,19 @@ def _equivalence_worker(rank, P):
         res[f"bf16/{kind}"] = {n: (a, t, r) for n, a, t, r in zip(NAMES, ours, torch_lp, ref64, strict=True)}
     # Determinism: repeated runs bitwise equal (bf16, chunked, both forms).
     case = global_case("random", P, seed=3, dtype=torch.bfloat16)
-    for mode, opts in (("fused", {"num_chunks": 3}), ("stepwise", {})):
+    for mode, opts in (("fused", {"num_chunks": 3}), ("stepwise", {}), ("fused", {"by_source": True})):
         a = run_ep(case, rank, P, dtype=torch.bfloat16, mode=mode, **opts)
         b = run_ep(case, rank, P, dtype=torch.bfloat16, mode=mode, **opts)
-        res[f"bitwise/{mode}"] = all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+        res[f"bitwise/{mode}{'/by_source' if opts.get('by_source') else ''}"] = all(
+            torch.equal(u, v) for u, v in zip(a, b, strict=True)
+        )
     # Options that must not change a single bit: redispatch, deferred wgrad.
     base = run_ep(case, rank, P, dtype=torch.bfloat16)
     for name, opts in (
         ("redispatch", {"redispatch_x_in_backward": True}),
         ("deferred", {"deferred": True}),
         ("no_overlap", {"overlap": False}),
+        ("comm_sms", {"comm_sms": 16}),
     ):
         other = run_ep(case, rank, P, dtype=torch.bfloat16, **opts)
         res[f"same_bits/{name}"] = all(torch.equal(u, v) for u, v in zip(base, other, strict=True))
@@ -221,6 +228,10 @@ F64_CASES = (
     "chunks2_redispatch_deferred_flat",
     "stepwise",
     "stepwise_chunks2_empty_rank",
+    "by_source",
+    "by_source_chunks2_empty_rank_deferred",
+    "by_source_redispatch_flat",
+    "stepwise_by_source_skewed",
 )
 
 
@@ -249,9 +260,11 @@ def test_repeated_runs_bitwise_equal(P):
     assert {k for k in _equivalence(P)[0] if "/" in k and k.split("/")[0] in ("bitwise", "same_bits")} == {
         "bitwise/fused",
         "bitwise/stepwise",
+        "bitwise/fused/by_source",
         "same_bits/redispatch",
         "same_bits/deferred",
         "same_bits/no_overlap",
+        "same_bits/comm_sms",
     }
     for rank, res in enumerate(_equivalence(P)):
         for key in [k for k in res if k.startswith(("bitwise/", "same_bits/"))]:

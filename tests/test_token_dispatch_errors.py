@@ -77,6 +77,9 @@ def _bad(rank, P, case):
     elif case == "num_chunks_differs":
         a = _inputs(rank, P)
         kw = dict(num_chunks=1 + (rank == 1))
+    elif case == "by_source_differs":
+        a = _inputs(rank, P)
+        kw = dict(by_source=rank == 1)
     elif case == "routing_shape":
         a = _inputs(rank, P)
         if rank == 1:
@@ -99,6 +102,7 @@ CASES = {  # case -> words the message must contain
     "rounding_duplicate_pairs": ["rank(s) [1]", "unique"],
     "rounding_differs": ["rounding mode", "differs"],
     "num_chunks_differs": ["num_chunks", "differs"],
+    "by_source_differs": ["by_source", "differs"],
     "routing_shape": ["rank 1", "scores_TK"],
 }
 
@@ -144,3 +148,7 @@ def test_single_process_errors_name_the_argument():
         expert_parallel_experts(a["x"][:3], a["routing"], a["w1"], a["w2"], num_experts=E, backend="torch")
     with pytest.raises(EPInputError, match="num_chunks"):
         expert_parallel_experts(a["x"], a["routing"], a["w1"], a["w2"], num_experts=E, backend="torch", num_chunks=0)
+    with pytest.raises(EPInputError, match="by_source"):
+        expert_parallel_experts(a["x"], a["routing"], a["w1"], a["w2"], num_experts=E, backend="torch", by_source=1)
+    with pytest.raises(ValueError, match="comm_sms"):
+        expert_parallel_experts(a["x"], a["routing"], a["w1"], a["w2"], num_experts=E, backend="torch", comm_sms=-1)

@@ -8,36 +8,47 @@ import torch
 from .comm import Pending, all_to_all
 from .plan import EPPlan
 
-# The send side always passes the full buffer (all chunks, sliced here); the receive side passes the
-# chunk's own tensor (a slice of a full buffer, or a chunk result such as one chunk's expert output).
+# The send side always passes the full buffer (all stages, sliced here); the receive side passes the stage's
+# own tensor (a slice of a full buffer, or a stage result such as one stage's expert output). A stage is a
+# chunk, or (by source) one (chunk, peer) exchange: see ``EPPlan.num_stages``.
 
 
-def rows_to_experts(plan: EPPlan, send_SD: torch.Tensor, recv_chunk: torch.Tensor, c: int, pending: Pending) -> None:
-    """Launch chunk c's all-to-all of send rows into that chunk's receive rows; async."""
-    s0, s1 = plan.send_row_range(c)
-    pending.add(all_to_all(recv_chunk, send_SD[s0:s1], plan.recv_rows[c], plan.send_rows[c], plan.group, True))
+def _exchange(plan: EPPlan, i: int, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, pending) -> None:
+    if plan.is_local_stage(i):  # this rank's own rows: a device copy, no collective (the same on every rank)
+        out.copy_(inp)
+        return
+    pending.add(all_to_all(out, inp, out_splits, in_splits, plan.group, True))
 
 
-def rows_to_sources(plan: EPPlan, recv_chunk: torch.Tensor, send_SD: torch.Tensor, c: int, pending: Pending) -> None:
-    """Launch chunk c's all-to-all of per-received-row results back into the send-ordered rows; async."""
-    s0, s1 = plan.send_row_range(c)
-    pending.add(all_to_all(send_SD[s0:s1], recv_chunk, plan.send_rows[c], plan.recv_rows[c], plan.group, True))
+def rows_to_experts(plan: EPPlan, send_SD: torch.Tensor, recv_stage: torch.Tensor, i: int, pending: Pending) -> None:
+    """Launch stage i's all-to-all of send rows into that stage's receive rows; async."""
+    s0, s1 = plan.send_row_range(i)
+    send, recv = plan.stage_splits(i)
+    _exchange(plan, i, recv_stage, send_SD[s0:s1], recv, send, pending)
 
 
-def pairs_to_sources(plan: EPPlan, recv_chunk: torch.Tensor, send_R: torch.Tensor, c: int, pending: Pending) -> None:
-    """Launch chunk c's all-to-all of per-received-pair values (dS) back to the pairs' sources; async. (Pair
+def rows_to_sources(plan: EPPlan, recv_stage: torch.Tensor, send_SD: torch.Tensor, i: int, pending: Pending) -> None:
+    """Launch stage i's all-to-all of per-received-row results back into the send-ordered rows; async."""
+    s0, s1 = plan.send_row_range(i)
+    send, recv = plan.stage_splits(i)
+    _exchange(plan, i, send_SD[s0:s1], recv_stage, send, recv, pending)
+
+
+def pairs_to_sources(plan: EPPlan, recv_stage: torch.Tensor, send_R: torch.Tensor, i: int, pending: Pending) -> None:
+    """Launch stage i's all-to-all of per-received-pair values (dS) back to the pairs' sources; async. (Pair
     values towards the experts -- the scores -- ride in the plan's pair-metadata all-to-all.)"""
-    s0, s1 = plan.send_pair_range(c)
-    pending.add(all_to_all(send_R[s0:s1], recv_chunk, plan.send_pairs[c], plan.recv_pairs[c], plan.group, True))
+    s0, s1 = plan.send_pair_range(i)
+    send, recv = plan.stage_splits(i, pairs=True)
+    _exchange(plan, i, send_R[s0:s1], recv_stage, send, recv, pending)
 
 
-def recv_rows(plan: EPPlan, buf: torch.Tensor, c: int) -> torch.Tensor:
-    r0, r1 = plan.recv_row_range(c)
+def recv_rows(plan: EPPlan, buf: torch.Tensor, i: int) -> torch.Tensor:
+    r0, r1 = plan.recv_row_range(i)
     return buf[r0:r1]
 
 
-def recv_pairs(plan: EPPlan, buf: torch.Tensor, c: int) -> torch.Tensor:
-    r0, r1 = plan.recv_pair_range(c)
+def recv_pairs(plan: EPPlan, buf: torch.Tensor, i: int) -> torch.Tensor:
+    r0, r1 = plan.recv_pair_range(i)
     return buf[r0:r1]
 
 

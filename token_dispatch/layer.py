@@ -1,16 +1,20 @@
 """``expert_parallel_experts``: the whole expert-parallel MoE experts block as ONE autograd node, pipelined.
 
-Shape legend: see ``plan.py``. Forward, per chunk c (N = num_chunks):
-    all dispatch all-to-alls are launched at once (async, in chunk order), then the receive metadata is
-    built from the plan's pair all-to-alls (scores ride in them) while the rows travel; for each c: wait for
-    chunk c's rows, run the local experts on it, launch its combine all-to-all; finally wait and sum.
-    So the dispatch of chunk c+1 and the combine of chunk c-1 are in flight while chunk c computes.
-Backward, per chunk c:
-    all dO all-to-alls (and X's, with ``redispatch_x_in_backward``) are launched at once; for each c: wait
-    for chunk c, dH/dS/dX~ (``backward_data``), launch the dX and dS all-to-alls back, THEN run chunk c's
+Shape legend: see ``plan.py``. The unit of the pipeline is a stage (``EPPlan.num_stages``): a token chunk
+(``num_chunks``), or with ``by_source`` one (chunk, source rank) exchange, this rank's own rows first (no
+communication), then a ring of point-to-point exchanges. Forward, per stage i:
+    all dispatch all-to-alls are launched at once (async, in stage order), then the receive metadata is
+    built from the plan's pair all-to-alls (scores ride in them) while the rows travel; for each i: wait for
+    stage i's rows, run the local experts on them, launch its combine all-to-all; finally wait and sum.
+    So the dispatch of stage i+1 and the combine of stage i-1 are in flight while stage i computes.
+Backward, per stage i:
+    all dO all-to-alls (and X's, with ``redispatch_x_in_backward``) are launched at once; for each i: wait
+    for stage i, dH/dS/dX~ (``backward_data``), launch the dX and dS all-to-alls back, THEN run stage i's
     weight-gradient GEMMs (dW2, dW1) while those are in flight.
 Async collectives need no private streams: NCCL orders each one after the current stream's queued work and
 ``wait()`` orders the current stream after it, so the schedule is race-free under repetition.
+GEMMs that run while a collective is in flight leave ``comm_sms`` SMs free (``ops.reserve_sms``): QuACK's
+persistent GEMMs otherwise hold every SM until they end and the collective cannot start (kernels/cute/sm_budget.py).
 """
 
 from __future__ import annotations
@@ -38,22 +42,31 @@ def record_function(name: str):
 
 
 def _launch_rows(plan: EPPlan, x_TD: torch.Tensor, recv_UD: torch.Tensor, eager: bool) -> list:
-    """Launch every chunk's row all-to-all, chunk by chunk: NCCL runs one group's collectives in launch order,
-    so chunk c waits only for chunks <= c. Each chunk's send rows are gathered just before its launch, so
-    chunk 0 leaves early."""
+    """Launch every stage's row all-to-all, stage by stage: NCCL runs one group's collectives in launch order,
+    so stage i waits only for stages <= i. Each stage's send rows are gathered just before its launch, so
+    stage 0 leaves early."""
     send_SD = x_TD.new_empty(plan.num_send_rows, x_TD.shape[1])
-    pend = [Pending(eager) for _ in range(plan.num_chunks)]
-    for c in range(plan.num_chunks):
-        s0, s1 = plan.send_row_range(c)
+    pend = [Pending(eager) for _ in range(plan.num_stages)]
+    for i in range(plan.num_stages):
+        s0, s1 = plan.send_row_range(i)
         torch.index_select(x_TD, 0, plan.send_token_idx_S[s0:s1], out=send_SD[s0:s1])
-        X.rows_to_experts(plan, send_SD, X.recv_rows(plan, recv_UD, c), c, pend[c])
+        X.rows_to_experts(plan, send_SD, X.recv_rows(plan, recv_UD, i), i, pend[i])
     return pend
+
+
+def _comm_sms(plan: EPPlan, comm_sms: int, overlap: bool, multi_stage_only: bool) -> int:
+    """SMs to leave free in a GEMM: only while a collective can be in flight (overlap on, P > 1, and for the
+    forward / backward-data GEMMs more than one stage: with one stage nothing else is in flight then)."""
+    if not overlap or plan.world_size == 1 or (multi_stage_only and plan.num_stages == 1):
+        return 0
+    return comm_sms
 
 
 class _EPExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, scores_R, w1, w2, plan, ops, activation, redispatch, wgrad, overlap):
-        N, D, eager = plan.num_chunks, x_TD.shape[1], not overlap
+    def forward(ctx, x_TD, scores_R, w1, w2, plan, ops, activation, redispatch, wgrad, overlap, comm_sms):
+        S, D, eager = plan.num_stages, x_TD.shape[1], not overlap
+        free_sms = _comm_sms(plan, comm_sms, overlap, multi_stage_only=True)
         x_recv = x_TD.new_empty(plan.num_recv_rows, D)
         metas = plan.recv_meta if eager else None  # no overlap: the pair all-to-alls complete before the rows
         with record_function("ep.fwd.dispatch_launch"):
@@ -66,19 +79,19 @@ class _EPExperts(torch.autograd.Function):
         store_h = any(ctx.needs_input_grad[:4])
         y_send = x_TD.new_empty(plan.num_send_rows, D)
         pend_y, hs, keep = Pending(eager), [], []
-        for c in range(N):
-            pend_x[c].wait()  # chunk c's rows and scores
-            with record_function(f"ep.fwd.experts[{c}]"):
+        for i in range(S):
+            pend_x[i].wait()  # stage i's rows and scores
+            with record_function(f"ep.fwd.experts[{i}]"), ops.reserve_sms(free_sms):
                 o, h = ops.forward(
-                    X.recv_rows(plan, x_recv, c),
-                    X.recv_pairs(plan, s_recv, c),
+                    X.recv_rows(plan, x_recv, i),
+                    X.recv_pairs(plan, s_recv, i),
                     w1,
                     w2,
-                    metas[c],
+                    metas[i],
                     activation,
                     store_h,
                 )
-            X.rows_to_sources(plan, o, y_send, c, pend_y)
+            X.rows_to_sources(plan, o, y_send, i, pend_y)
             keep.append(o)  # alive until its all-to-all completes
             hs.append(h)
         pend_y.wait()
@@ -87,6 +100,7 @@ class _EPExperts(torch.autograd.Function):
             out_TD = X.sum_rows_per_token(plan, y_send)
         ctx.plan, ctx.ops, ctx.activation = plan, ops, activation
         ctx.redispatch, ctx.wgrad, ctx.eager = redispatch, wgrad, eager
+        ctx.free_sms = (free_sms, _comm_sms(plan, comm_sms, overlap, multi_stage_only=False))
         ctx.scores_meta = (scores_R.shape, scores_R.dtype)
         # Cache: received (deduplicated) token rows -- or only the local X with redispatch -- H, scores.
         ctx.save_for_backward(x_TD if redispatch else x_recv, s_recv, w1, w2, *hs)
@@ -95,7 +109,8 @@ class _EPExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_TD):
         x_saved, s_recv, w1, w2, *hs = ctx.saved_tensors
-        plan, ops, N = ctx.plan, ctx.ops, ctx.plan.num_chunks
+        plan, ops, S = ctx.plan, ctx.ops, ctx.plan.num_stages
+        free_data, free_weights = ctx.free_sms
         grad_TD = grad_TD.contiguous()
         D = grad_TD.shape[1]
         dO_recv = grad_TD.new_empty(plan.num_recv_rows, D)
@@ -106,27 +121,27 @@ class _EPExperts(torch.autograd.Function):
                 x_recv = x_saved.new_empty(plan.num_recv_rows, D)
                 pend_x = _launch_rows(plan, x_saved, x_recv, eager)
             else:
-                x_recv, pend_x = x_saved, [Pending() for _ in range(N)]
+                x_recv, pend_x = x_saved, [Pending() for _ in range(S)]
         dx_send = grad_TD.new_empty(plan.num_send_rows, D)
         ct = torch.promote_types(grad_TD.dtype, torch.float32)
         ds_send = torch.empty(sum(map(sum, plan.send_pairs)), dtype=ct, device=grad_TD.device)
         pend_back, keep = Pending(eager), []
         want_w = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
         dw1 = dw2 = None
-        for c in range(N):
-            pend_dO[c].wait()
-            pend_x[c].wait()
-            dO, x, meta = X.recv_rows(plan, dO_recv, c), X.recv_rows(plan, x_recv, c), plan.recv_meta[c]
-            with record_function(f"ep.bwd.data[{c}]"):
+        for i in range(S):
+            pend_dO[i].wait()
+            pend_x[i].wait()
+            dO, x, meta = X.recv_rows(plan, dO_recv, i), X.recv_rows(plan, x_recv, i), plan.recv_meta[i]
+            with record_function(f"ep.bwd.data[{i}]"), ops.reserve_sms(free_data):
                 dx, ds, (ap, dH) = ops.backward_data(
-                    dO, x, hs[c], X.recv_pairs(plan, s_recv, c), w1, w2, meta, ctx.activation
+                    dO, x, hs[i], X.recv_pairs(plan, s_recv, i), w1, w2, meta, ctx.activation
                 )
                 ds = ds.to(ct)
-            X.rows_to_sources(plan, dx, dx_send, c, pend_back)
-            X.pairs_to_sources(plan, ds, ds_send, c, pend_back)
+            X.rows_to_sources(plan, dx, dx_send, i, pend_back)
+            X.pairs_to_sources(plan, ds, ds_send, i, pend_back)
             keep.append((dx, ds))
-            if want_w:  # runs while chunk c's dX / dS all-to-alls are in flight
-                with record_function(f"ep.bwd.weights[{c}]"):
+            if want_w:  # runs while stage i's dX / dS all-to-alls are in flight
+                with record_function(f"ep.bwd.weights[{i}]"), ops.reserve_sms(free_weights):
                     dw1, dw2 = _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, ctx.wgrad, dw1, dw2)
         pend_back.wait()
         if dw1 is not None:
@@ -137,7 +152,7 @@ class _EPExperts(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             shape, dtype = ctx.scores_meta
             ds_R = X.scatter_pair_grads(plan, ds_send, torch.empty(shape, dtype=dtype, device=grad_TD.device))
-        return dx_TD, ds_R, dw1, dw2, None, None, None, None, None, None
+        return dx_TD, ds_R, dw1, dw2, None, None, None, None, None, None, None
 
 
 def expert_parallel_experts(
@@ -153,6 +168,8 @@ def expert_parallel_experts(
     rounding: TokenRounding | None = None,
     rounding_scores_TE: torch.Tensor | None = None,
     num_chunks: int = 1,
+    by_source: bool = False,
+    comm_sms: int = 0,
     redispatch_x_in_backward: bool = False,
     wgrad: DeferredWeightGrad | None = None,
     return_plan: bool = False,
@@ -174,6 +191,12 @@ def expert_parallel_experts(
         rounding_scores_TE: dense router probabilities [T, E]; required with ``rounding``.
         num_chunks: pipeline the layer in N token chunks (the all-to-alls of one chunk overlap the
             kernels of its neighbours; each expert's M shrinks N-fold, so pick N by measurement).
+        by_source: pipeline each chunk by source rank as well (P stages per chunk: this rank's own rows
+            first, which need no communication, then one point-to-point exchange per peer, each overlapping
+            the previous stage's kernels); must be equal on all ranks.
+        comm_sms: SMs the GEMMs leave free while a collective is in flight (overlap on, P > 1), so the
+            all-to-all's kernel can run beside a persistent GEMM; 0 = all SMs to the GEMMs. The NCCL kernel
+            needs one SM per channel (NCCL_MAX_NCHANNELS); pick by measurement (``bench layer --comm-sms``).
         redispatch_x_in_backward: cache only the local X and re-dispatch it in backward (saves the
             received rows' memory for one more all-to-all).
         wgrad: defer the weight-gradient GEMMs to ``wgrad.compute()`` (Megatron's backward_dw).
@@ -182,6 +205,8 @@ def expert_parallel_experts(
             for benchmarks that measure how much all-to-all time the overlap hides).
     """
     ops = resolve_backend(backend, x_TD.device)
+    if not isinstance(comm_sms, int) or comm_sms < 0:
+        raise ValueError(f"expert_parallel_experts: comm_sms must be an int >= 0, got {comm_sms!r}")
     if wgrad is not None and not (w1_EGD.is_leaf and w2_EDF.is_leaf):
         raise ValueError("expert_parallel_experts: with wgrad, w1 and w2 must be leaf tensors (parameters)")
     with record_function("ep.plan"):
@@ -192,11 +217,12 @@ def expert_parallel_experts(
             rounding=rounding,
             rounding_scores_TE=rounding_scores_TE,
             num_chunks=num_chunks,
+            by_source=by_source,
             x_TD=x_TD,
             w1_EGD=w1_EGD,
             w2_EDF=w2_EDF,
             activation=activation,
         )
-    args = (plan, ops, activation, redispatch_x_in_backward, wgrad, overlap)
+    args = (plan, ops, activation, redispatch_x_in_backward, wgrad, overlap, comm_sms)
     out = _EPExperts.apply(x_TD.contiguous(), plan.scores_R, w1_EGD, w2_EDF, *args)
     return (out, plan) if return_plan else out

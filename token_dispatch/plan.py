@@ -75,6 +75,7 @@ class EPPlan:
     recv_rows: list[list[int]]
     recv_pairs: list[list[int]]
     rounding: RoundingResult | None = None
+    by_source: bool = False
     _offsets: dict = field(default_factory=dict, repr=False)
     _incoming: tuple | None = field(default=None, repr=False)  # (pending pair all-to-alls, meta_QC, counts)
     _recv_meta: list | None = field(default=None, repr=False)
@@ -87,9 +88,10 @@ class EPPlan:
 
     @property
     def recv_meta(self) -> list[RoutingMetadata]:
-        """Per chunk, RoutingMetadata over the L local experts of the received pairs (rows index that
-        chunk's receive buffer). Built on first access, which waits for the plan's pair all-to-alls: call it
-        after launching the row all-to-alls so that both are in flight together."""
+        """Per stage (``num_stages``), RoutingMetadata over the L local experts of the stage's received
+        pairs (rows index the stage's slice of the receive buffer). Built on first access, which waits for
+        the plan's pair all-to-alls: call it after launching the row all-to-alls so that both are in flight
+        together."""
         if self._recv_meta is None:
             self._recv_meta = _recv_metadata(self, *self._received())
         return self._recv_meta
@@ -99,30 +101,72 @@ class EPPlan:
         meta_QC, _ = self._received()
         return scores_from_columns(meta_QC[:, 2:], self.scores_R.dtype)
 
-    # --- host-side offsets of each chunk inside the send / receive buffers ------------------------------
+    # --- stages: the unit of pipelining -----------------------------------------------------------------
+    # Chunk mode (by_source False): stage i = chunk i, its all-to-alls move the chunk's rows between all ranks.
+    # By source: stage i = (chunk c, ring offset k), k = i mod P: this rank sends chunk c's rows for rank
+    # + k and receives those of rank - k (a point-to-point exchange); k = 0 is this rank's own rows, which
+    # need no communication, so the first stage's GEMMs start at once while stage 1's rows travel.
+    @property
+    def num_stages(self) -> int:
+        return self.num_chunks * (self.world_size if self.by_source else 1)
+
+    def stage_peers(self, i: int) -> tuple[int, int | None, int | None]:
+        """(chunk, destination rank, source rank) of stage i; (c, None, None) in chunk mode (all ranks)."""
+        if not self.by_source:
+            return i, None, None
+        c, k = divmod(i, self.world_size)
+        return c, (self.rank + k) % self.world_size, (self.rank - k) % self.world_size
+
+    def is_local_stage(self, i: int) -> bool:
+        """Stage i moves only this rank's own rows (by source, k = 0): a device copy, no collective."""
+        return self.by_source and i % self.world_size == 0
+
+    def stage_splits(self, i: int, pairs: bool = False) -> tuple[list[int], list[int]]:
+        """(send splits, receive splits) per rank of stage i's row (or pair) all-to-all, forward direction."""
+        c, dst, src = self.stage_peers(i)
+        send = (self.send_pairs if pairs else self.send_rows)[c]
+        recv = (self.recv_pairs if pairs else self.recv_rows)[c]
+        if dst is None:
+            return send, recv
+        return [n if p == dst else 0 for p, n in enumerate(send)], [n if p == src else 0 for p, n in enumerate(recv)]
+
+    # --- host-side offsets inside the send / receive buffers (ordered chunk, then rank) -------------------
     def _cum(self, name: str) -> list[int]:
+        """Prefix sums of the [N][P] counts ``name`` flattened in (chunk, rank) order: N*P + 1 offsets."""
         if name not in self._offsets:
             out = [0]
             for per_rank in getattr(self, name):
-                out.append(out[-1] + sum(per_rank))
+                for n in per_rank:
+                    out.append(out[-1] + n)
             self._offsets[name] = out
         return self._offsets[name]
 
-    def send_row_range(self, c: int) -> tuple[int, int]:
-        o = self._cum("send_rows")
-        return o[c], o[c + 1]
+    def _range(self, name: str, i: int) -> tuple[int, int]:
+        c, dst, src = self.stage_peers(i)
+        peer = dst if name.startswith("send") else src
+        o, P = self._cum(name), self.world_size
+        if peer is None:
+            return o[c * P], o[(c + 1) * P]
+        return o[c * P + peer], o[c * P + peer + 1]
 
-    def recv_row_range(self, c: int) -> tuple[int, int]:
-        o = self._cum("recv_rows")
-        return o[c], o[c + 1]
+    def chunk_range(self, name: str, c: int) -> tuple[int, int]:
+        """Chunk c's range in the buffer counted by ``name`` (send_rows, send_pairs, recv_rows, recv_pairs)."""
+        o, P = self._cum(name), self.world_size
+        return o[c * P], o[(c + 1) * P]
 
-    def send_pair_range(self, c: int) -> tuple[int, int]:
-        o = self._cum("send_pairs")
-        return o[c], o[c + 1]
+    def send_row_range(self, i: int) -> tuple[int, int]:
+        """Stage i's rows in the send buffer [S, D]."""
+        return self._range("send_rows", i)
 
-    def recv_pair_range(self, c: int) -> tuple[int, int]:
-        o = self._cum("recv_pairs")
-        return o[c], o[c + 1]
+    def recv_row_range(self, i: int) -> tuple[int, int]:
+        """Stage i's rows in the receive buffer [U, D]."""
+        return self._range("recv_rows", i)
+
+    def send_pair_range(self, i: int) -> tuple[int, int]:
+        return self._range("send_pairs", i)
+
+    def recv_pair_range(self, i: int) -> tuple[int, int]:
+        return self._range("recv_pairs", i)
 
     def combine_meta(self) -> RoutingMetadata:
         """The combine sum as routing metadata for the kernels' gather-sum: "pairs" are (token, destination)
@@ -250,6 +294,7 @@ def make_plan(
     rounding: TokenRounding | None = None,
     rounding_scores_TE: torch.Tensor | None = None,
     num_chunks: int = 1,
+    by_source: bool = False,
     x_TD: torch.Tensor | None = None,
     w1_EGD: torch.Tensor | None = None,
     w2_EDF: torch.Tensor | None = None,
@@ -264,6 +309,9 @@ def make_plan(
         rounding: tile-aware token rounding (training only; ``None`` = plain routing).
         rounding_scores_TE: dense router probabilities [T, E]; required with ``rounding``.
         num_chunks: split this rank's tokens into N contiguous chunks, each with its own all-to-alls.
+        by_source: also split every chunk by source rank (``EPPlan.num_stages`` = N * P stages, own rows
+            first, then a ring of point-to-point exchanges), so each stage's rows can be computed as soon as
+            they arrive. Must be equal on all ranks (checked).
         x_TD, w1_EGD, w2_EDF, activation: optional; when given, their shapes and dtypes are validated and
             compared across ranks in the same header exchange (recommended: a mismatch then raises on all
             ranks instead of failing or hanging inside an all-to-all).
@@ -279,6 +327,7 @@ def make_plan(
             rounding=rounding,
             rounding_scores_TE=rounding_scores_TE,
             num_chunks=num_chunks,
+            by_source=by_source,
             x_TD=x_TD,
             w1_EGD=w1_EGD,
             w2_EDF=w2_EDF,
@@ -302,6 +351,7 @@ def make_plan(
         fingerprint=group_fingerprint(group),
         rounding=rounding,
         num_chunks=num_chunks,
+        by_source=by_source,
         w1_EGD=w1_EGD,
         w2_EDF=w2_EDF,
         activation=activation,
@@ -365,14 +415,15 @@ def make_plan(
         recv_rows=recv_rows,
         recv_pairs=recv_pairs,
         rounding=rounded,
+        by_source=bool(by_source),
     )
     # Pair metadata (and scores): one all-to-all per chunk, launched now and NOT waited for: the receive
     # metadata is built on first use of ``plan.recv_meta`` (after the caller launched its row all-to-alls).
     meta_QC = side.pair_meta_RC.new_empty(plan.num_recv_pairs, side.pair_meta_RC.shape[1])
     pending = Pending()
     for c in range(N):
-        s0, s1 = plan.send_pair_range(c)
-        r0, r1 = plan.recv_pair_range(c)
+        s0, s1 = plan.chunk_range("send_pairs", c)
+        r0, r1 = plan.chunk_range("recv_pairs", c)
         pending.add(
             all_to_all(meta_QC[r0:r1], side.pair_meta_RC[s0:s1], recv_pairs[c], send_pairs[c], group, async_op=True)
         )
@@ -402,6 +453,7 @@ def _recv_rows_keys_torch(
     num_chunks,
     pair_base,
     num_recv_rows,
+    by_source=False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row_Q, key_Q, token_offsets) int32 of the received pairs with PyTorch ops: the reference of (and the
     CPU path for) the one-launch Triton kernel ``kernels/triton/ep_recv.py`` (its docstring defines them)."""
@@ -413,7 +465,8 @@ def _recv_rows_keys_torch(
     seg_Q = torch.repeat_interleave(torch.arange(N * P, device=device), recv_pairs_NP, output_size=Q)
     seg_row0 = torch.cumsum(recv_rows_NP, 0) - recv_rows_NP  # first receive row of each (chunk, source)
     row_Q = meta_QC[:, 0].long() + seg_row0[seg_Q]  # row in the whole receive buffer (non-decreasing)
-    key_Q = torch.div(seg_Q, P, rounding_mode="floor") * L + meta_QC[:, 1].long()
+    group_Q = seg_Q if by_source else torch.div(seg_Q, P, rounding_mode="floor")  # (chunk, source) or chunk
+    key_Q = group_Q * L + meta_QC[:, 1].long()
     token_offsets = torch.searchsorted(row_Q, torch.arange(U + 1, device=device, dtype=torch.int64))
     return row_Q.int(), key_Q.int(), token_offsets.int()
 
@@ -431,31 +484,36 @@ def _recv_rows_keys(meta_QC: torch.Tensor, counts_PW: torch.Tensor, **kw):
 
 
 def _recv_metadata(plan: EPPlan, recv_meta_QC: torch.Tensor, counts_dev: torch.Tensor) -> list[RoutingMetadata]:
-    """Per chunk, RoutingMetadata of the received pairs over the L local experts (rows index that chunk's
-    receive buffer). Built ONCE for all chunks -- experts (chunk, local expert), N*L of them, so chunk c's
-    expert-sorted rows are exactly its pair range -- then shifted per chunk (5 int32 ops a chunk). Split
-    sizes come from the device copy of the counts exchange: no host-to-device copy, no stream sync."""
-    N, L = plan.num_chunks, plan.num_local_experts
+    """Per stage, RoutingMetadata of the stage's received pairs over the L local experts (rows index that
+    stage's slice of the receive buffer). Built ONCE for all stages -- experts (stage, local expert), i.e.
+    N*L (chunk mode) or N*P*L (by source) of them, so stage i's expert-sorted rows are exactly its pair
+    range -- then shifted per stage (5 int32 ops a stage). Split sizes come from the device copy of the
+    counts exchange: no host-to-device copy, no stream sync."""
+    L, S = plan.num_local_experts, plan.num_stages
     row_Q, key_Q, token_offsets = _recv_rows_keys(
         recv_meta_QC,
         counts_dev,
         rank=plan.rank,
         world_size=plan.world_size,
         num_local_experts=L,
-        num_chunks=N,
+        num_chunks=plan.num_chunks,
         pair_base=V.MAX_CHUNKS * plan.world_size,
         num_recv_rows=plan.num_recv_rows,
+        by_source=plan.by_source,
     )
-    meta = _metadata_builder(counts_dev.device)(row_Q, key_Q, token_offsets, N * L)
-    if N == 1:
+    meta = _metadata_builder(counts_dev.device)(row_Q, key_Q, token_offsets, S * L)
+    if S == 1:
         return [meta]
     out = []
-    for c in range(N):
-        q0, q1 = plan.recv_pair_range(c)
-        u0, u1 = plan.recv_row_range(c)
+    for i in range(S):
+        q0, q1 = plan.recv_pair_range(i)
+        u0, u1 = plan.recv_row_range(i)
+        # the stage's experts: (chunk, source) segment c * P + source by source, chunk c otherwise
+        c, _, src = plan.stage_peers(i)
+        g = c if src is None else c * plan.world_size + src
         out.append(
             RoutingMetadata(
-                expert_offsets=meta.expert_offsets[c * L : (c + 1) * L + 1] - q0,
+                expert_offsets=meta.expert_offsets[g * L : (g + 1) * L + 1] - q0,
                 x_gather_idx=meta.x_gather_idx[q0:q1] - u0,
                 s_scatter_idx=meta.s_scatter_idx[q0:q1] - q0,
                 s_reverse_scatter_idx=meta.s_reverse_scatter_idx[q0:q1] - q0,

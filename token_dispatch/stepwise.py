@@ -1,8 +1,8 @@
 """Step-wise form for Megatron's method split: ``dispatch`` -> ``local_experts`` -> ``combine``, each its own
-autograd node linked only through tensors. Shape legend: see ``plan.py``; buffers of all chunks are
-concatenated (chunk-major), so the step-wise form runs every chunk's all-to-all at once (no pipelining:
-that is ``expert_parallel_experts``' job). Weight gradients of ``local_experts`` run right after dX is
-computed; ``wgrad=`` defers them to ``DeferredWeightGrad.compute()``.
+autograd node linked only through tensors. Shape legend: see ``plan.py``; one buffer holds all stages (chunks,
+or (chunk, source) exchanges with ``by_source``) in receive order, so the step-wise form runs every stage's
+all-to-all at once (no pipelining: that is ``expert_parallel_experts``' job). Weight gradients of
+``local_experts`` run right after dX is computed; ``wgrad=`` defers them to ``DeferredWeightGrad.compute()``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from .wgrad import DeferredWeightGrad
 def _all_rows(plan: EPPlan, send_SD: torch.Tensor) -> torch.Tensor:
     recv_UD = send_SD.new_empty(plan.num_recv_rows, send_SD.shape[1])
     pending = Pending()
-    for c in range(plan.num_chunks):
-        X.rows_to_experts(plan, send_SD, X.recv_rows(plan, recv_UD, c), c, pending)
+    for i in range(plan.num_stages):
+        X.rows_to_experts(plan, send_SD, X.recv_rows(plan, recv_UD, i), i, pending)
     pending.wait()
     return recv_UD
 
@@ -29,8 +29,8 @@ def _all_rows(plan: EPPlan, send_SD: torch.Tensor) -> torch.Tensor:
 def _all_rows_back(plan: EPPlan, recv_UD: torch.Tensor) -> torch.Tensor:
     send_SD = recv_UD.new_empty(plan.num_send_rows, recv_UD.shape[1])
     pending = Pending()
-    for c in range(plan.num_chunks):
-        X.rows_to_sources(plan, X.recv_rows(plan, recv_UD, c), send_SD, c, pending)
+    for i in range(plan.num_stages):
+        X.rows_to_sources(plan, X.recv_rows(plan, recv_UD, i), send_SD, i, pending)
     pending.wait()
     return send_SD
 
@@ -53,8 +53,8 @@ class _Dispatch(torch.autograd.Function):
             ds_recv = ds_recv.contiguous()
             ds_send = ds_recv.new_empty(sum(map(sum, plan.send_pairs)))
             pending = Pending()
-            for c in range(plan.num_chunks):
-                X.pairs_to_sources(plan, X.recv_pairs(plan, ds_recv, c), ds_send, c, pending)
+            for i in range(plan.num_stages):
+                X.pairs_to_sources(plan, X.recv_pairs(plan, ds_recv, i), ds_send, i, pending)
             pending.wait()
             ds_R = X.scatter_pair_grads(plan, ds_send, torch.empty(shape, dtype=dtype, device=device))
         return dx_TD, ds_R, None
@@ -65,16 +65,16 @@ class _LocalExperts(torch.autograd.Function):
     def forward(ctx, x_UD, s_Q, w1, w2, plan, ops, activation, wgrad):
         store_h = any(ctx.needs_input_grad[:4])
         ys, hs = [], []
-        for c in range(plan.num_chunks):
+        for i in range(plan.num_stages):
             o, h = ops.forward(
-                X.recv_rows(plan, x_UD, c), X.recv_pairs(plan, s_Q, c), w1, w2, plan.recv_meta[c], activation, store_h
+                X.recv_rows(plan, x_UD, i), X.recv_pairs(plan, s_Q, i), w1, w2, plan.recv_meta[i], activation, store_h
             )
             ys.append(o)
             hs.append(h)
         ctx.plan, ctx.ops, ctx.activation, ctx.wgrad = plan, ops, activation, wgrad
         # Cached: the received (deduplicated) token rows, H per chunk, scores; never per-pair copies.
         ctx.save_for_backward(x_UD, s_Q, w1, w2, *hs)
-        return torch.cat(ys) if len(ys) > 1 else ys[0]
+        return _in_buffer_order(plan, ys, plan.recv_row_range)
 
     @staticmethod
     def backward(ctx, dy_UD):
@@ -84,18 +84,32 @@ class _LocalExperts(torch.autograd.Function):
         dxs, dss = [], []
         want_w = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
         dw1 = dw2 = None
-        for c in range(plan.num_chunks):
-            dO, x, meta = X.recv_rows(plan, dy_UD, c), X.recv_rows(plan, x_UD, c), plan.recv_meta[c]
-            dx, ds, (ap, dH) = ops.backward_data(dO, x, hs[c], X.recv_pairs(plan, s_Q, c), w1, w2, meta, ctx.activation)
+        for i in range(plan.num_stages):
+            dO, x, meta = X.recv_rows(plan, dy_UD, i), X.recv_rows(plan, x_UD, i), plan.recv_meta[i]
+            dx, ds, (ap, dH) = ops.backward_data(dO, x, hs[i], X.recv_pairs(plan, s_Q, i), w1, w2, meta, ctx.activation)
             dxs.append(dx)
             dss.append(ds)
             if want_w:
                 dw1, dw2 = _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, ctx.wgrad, dw1, dw2)
         if dw1 is not None:
             dw1, dw2 = dw1.to(w1.dtype), dw2.to(w2.dtype)
-        dx_UD = torch.cat(dxs) if len(dxs) > 1 else dxs[0]
-        ds_Q = (torch.cat(dss) if len(dss) > 1 else dss[0]).to(s_Q.dtype)
+        dx_UD = _in_buffer_order(plan, dxs, plan.recv_row_range)
+        ds_Q = _in_buffer_order(plan, dss, plan.recv_pair_range).to(s_Q.dtype)
         return dx_UD, ds_Q, dw1, dw2, None, None, None, None
+
+
+def _in_buffer_order(plan: EPPlan, per_stage: list[torch.Tensor], stage_range) -> torch.Tensor:
+    """One tensor of the stages' results in receive-buffer order. Stages follow the buffer in chunk mode (a
+    concatenation); by source they do not (stage (c, k) holds source rank - k), so each goes to its range."""
+    if len(per_stage) == 1:
+        return per_stage[0]
+    if not plan.by_source:
+        return torch.cat(per_stage)
+    out = per_stage[0].new_empty(sum(t.shape[0] for t in per_stage), *per_stage[0].shape[1:])
+    for i, t in enumerate(per_stage):
+        r0, r1 = stage_range(i)
+        out[r0:r1] = t
+    return out
 
 
 def _weight_grads(ops, dO, x, ap, dH, meta: RoutingMetadata, w1, w2, wgrad: DeferredWeightGrad | None, dw1, dw2):

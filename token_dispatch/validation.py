@@ -12,6 +12,7 @@ Header fields (int64):
     8 rounding tile   9 num_chunks     10 min expert index        11 max expert index
    12 token index problem (1: out of [0, T) or unsorted)           13 local experts of w1 (-1 unknown)
    14 G (w1 rows)    15 F (w2 cols)    16 activation code          17 K (-1 for flat routing)
+   18 by_source (stages per source rank: 1, else 0)
 Fields 10-12 are computed on the device and read back in the same host copy as the split sizes.
 """
 
@@ -24,7 +25,7 @@ from ..kernels.interface import FLOAT_DTYPES
 from ..kernels.routing import INDEX_DTYPES, FlatRouting, TopKRouting
 from .comm import all_gather_strings
 
-HEADER_LEN = 18
+HEADER_LEN = 19
 MAX_CHUNKS = 16  # num_chunks limit: the counts exchange has a fixed size (see plan.py)
 ROUNDING_CODES = {None: 0, "nearest": 1, "up": 2, "down": 3}
 _DTYPE_CODES = {dt: i for i, dt in enumerate(FLOAT_DTYPES)}
@@ -43,6 +44,7 @@ _SAME_ON_ALL_RANKS = (
     (14, "w1.shape[1]"),
     (15, "w2.shape[2]"),
     (16, "activation"),
+    (18, "by_source"),
 )
 
 
@@ -78,6 +80,7 @@ def check_local(
     w1_EGD: torch.Tensor | None,
     w2_EDF: torch.Tensor | None,
     activation: str | None,
+    by_source: bool = False,
 ) -> None:
     """Raise EPInputError naming the argument, the expected and the actual value (this rank only)."""
     if not isinstance(num_experts, int) or num_experts < 1:
@@ -86,6 +89,8 @@ def check_local(
         fail("num_experts", f"a multiple of the EP group size P = {group_size}", num_experts)
     if not isinstance(num_chunks, int) or not 1 <= num_chunks <= MAX_CHUNKS:
         fail("num_chunks", f"an int in [1, {MAX_CHUNKS}]", num_chunks)
+    if not isinstance(by_source, bool):
+        fail("by_source", "a bool", repr(by_source))
     if isinstance(routing, TopKRouting):
         s, idx = routing.scores_TK, routing.indices_TK
         if idx.dtype not in INDEX_DTYPES:
@@ -177,6 +182,7 @@ def header(
     w2_EDF: torch.Tensor | None,
     activation: str | None,
     top_k: int,
+    by_source: bool = False,
     index_stats: list | None,
     device: torch.device,
 ) -> list[torch.Tensor]:
@@ -198,6 +204,7 @@ def header(
         15: -1 if w2_EDF is None or w2_EDF.dim() != 3 else w2_EDF.shape[2],
         16: -1 if activation is None else (ACTIVATIONS.index(activation) if activation in ACTIVATIONS else 99),
         17: top_k,
+        18: int(by_source) if isinstance(by_source, bool) else -1,
     }
     host = [-1] * HEADER_LEN
     for i, v in vals.items():

@@ -29,11 +29,17 @@ from ..activations import GATED_ACTIVATIONS
 from ..routing import RoutingMetadata
 from ..triton import compute_metadata_triton, gather_sum
 from .configs import heuristic_config, policy
+from .sm_budget import install as _install_sm_budget
+from .sm_budget import reserve_sms
+
+_install_sm_budget()  # QuACK GEMMs honour ``reserve_sms`` (leave SMs to a concurrent collective)
 
 # Routing metadata for this backend: our Triton kernels (same contract and results as
 # ``routing.compute_metadata_torch``, checked bitwise on GPU in tests/test_cute_gpu.py). The shared interface
 # builds metadata through ``interface.compute_metadata``, which takes this one when the backend is cute.
 compute_metadata = compute_metadata_triton
+
+__all__ = ["backward_data", "backward_weights", "compute_metadata", "forward", "reserve_sms"]
 
 DTYPES = (torch.bfloat16, torch.float16)
 ALIGN = 8  # elements: QuACK's TMA/cp.async need 16-byte aligned rows (8 x 16-bit)

@@ -5,18 +5,20 @@
 
 Providers (same routing, same weights, bf16):
   * ``ours`` -- ``token_dispatch.expert_parallel_experts`` (dedup dispatch, kernels/ experts, overlap of the
-    dW GEMMs with the backward all-to-all), for each ``--chunks`` value, with and without overlap
-    (``overlap=False`` waits for each all-to-all at once: same bits, no hiding);
+    dW GEMMs with the backward all-to-all), for each ``--chunks`` schedule (``N``: N token chunks; ``Ns``:
+    N chunks each split by source rank, ``by_source``), with overlap for each ``--comm-sms`` value (SMs the
+    GEMMs leave free while an all-to-all is in flight) and without overlap (``overlap=False`` waits for each
+    all-to-all at once: same bits, no hiding; all SMs to the GEMMs);
   * ``megatron`` -- Megatron-core's ``MoEAlltoAllTokenDispatcher`` (unfused permute) + an experts module of
     two ``torch._grouped_mm`` calls with SwiGLU and the probs applied after the activation (Megatron's
     GroupedMLP order); autograd backward.
-The share of all-to-all time hidden, per chunk count N:
-    a2a_hidden = clip((t(N, overlap off) - t(N, overlap on)) / t_a2a(N), 0, 1)
+The share of all-to-all time hidden, per schedule s and comm_sms value:
+    a2a_hidden = clip((t(s, overlap off) - t(s, overlap on, comm_sms)) / t_a2a(s), 0, 1)
 where "overlap off" makes the compute stream wait for every all-to-all right after its launch (same kernels,
-same bits) and t_a2a(N) is the layer's all-to-alls alone with the SAME N-chunk plan (forward: rows to the
+same bits) and t_a2a(s) is the layer's all-to-alls alone with the SAME plan (its stages; forward: rows to the
 experts -- scores ride in the plan's pair-metadata all-to-all -- and rows back; backward: dO rows to the
 experts, dX rows and dS back), run back to back. It is
-the share of the N-chunk layer's own communication that the schedule hides; it reads right only when the
+the share of the layer's own communication that the schedule hides; it reads right only when the
 layer is GPU-bound (host_ms well below ms): a host-bound layer hides all-to-alls in launch gaps too.
 ``host_ms`` is the time until the Python call (forward + backward) returns, before the final device sync.
 ``rel_diff_out`` / ``rel_diff_dx``: max relative difference of the output / dX against the first
@@ -48,7 +50,18 @@ from .dispatch import DTYPES, add_common_arguments, random_routing, setup_distri
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
-    parser.add_argument("--chunks", default="1,2", help="comma-separated num_chunks values for ours (default 1,2)")
+    parser.add_argument(
+        "--chunks",
+        default="1,2",
+        help="comma-separated pipeline schedules for ours: num_chunks N, or Ns for N chunks split by source rank "
+        "(by_source: own rows first, then one exchange per peer); default 1,2",
+    )
+    parser.add_argument(
+        "--comm-sms",
+        default="0",
+        help="comma-separated SM counts the GEMMs leave free while an all-to-all is in flight (comm_sms); every "
+        "schedule is timed with overlap on for each value; overlap off always uses 0 (default 0)",
+    )
     parser.add_argument("--backend", default="auto", help="kernels backend for ours: auto|torch|cute (default auto)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the Megatron baseline")
     parser.add_argument(
@@ -169,7 +182,7 @@ def megatron_layer(disp, x, routing_map, probs_TE, w1_LDG, w2_LFD):
 
 
 def _a2a_alone(plan, x, device, args) -> float:
-    """Seconds of the layer's all-to-alls alone with this plan (its chunking): forward rows to the experts and
+    """Seconds of the layer's all-to-alls alone with this plan (its stages): forward rows to the experts and
     rows back, backward dO rows to the experts and dX rows + dS back. (The forward's scores ride in the
     plan's pair-metadata all-to-all, which is part of the plan, not timed here.)"""
     from ..token_dispatch import exchange as X
@@ -183,8 +196,8 @@ def _a2a_alone(plan, x, device, args) -> float:
 
     def scores_back():
         pend = Pending()
-        for c in range(plan.num_chunks):
-            X.pairs_to_sources(plan, X.recv_pairs(plan, s_recv, c), s_send, c, pend)
+        for i in range(plan.num_stages):
+            X.pairs_to_sources(plan, X.recv_pairs(plan, s_recv, i), s_send, i, pend)
         pend.wait()
 
     def fn():
@@ -195,6 +208,20 @@ def _a2a_alone(plan, x, device, args) -> float:
         scores_back()
 
     return timed(fn, device, args.warmup, args.iters)
+
+
+def _schedule(text: str) -> tuple[int, bool]:
+    """``--chunks`` entry: ``N`` (token chunks) or ``Ns`` (N chunks, each split by source rank)."""
+    t = text.strip()
+    by_source = t.endswith("s")
+    n = t[:-1] if by_source else t
+    if not n.isdigit() or int(n) < 1:
+        raise SystemExit(f"--chunks: each entry must be N or Ns with N >= 1 (e.g. 1,2,1s), got {text!r}")
+    return int(n), by_source
+
+
+def _label(sched: tuple[int, bool]) -> str:
+    return f"{sched[0]}{'s' if sched[1] else ''}"
 
 
 def _timed_host(fn, device, warmup: int, iters: int) -> tuple[float, float]:
@@ -337,7 +364,9 @@ def run(args) -> int:
     routing = TopKRouting(scores, indices)
     results, outputs = [], {}
 
-    def ours(chunks, overlap):
+    def ours(sched, overlap, comm_sms=0):
+        chunks, by_source = sched
+
         def fn():
             out = expert_parallel_experts(
                 x,
@@ -348,6 +377,8 @@ def run(args) -> int:
                 num_experts=E,
                 backend=args.backend,
                 num_chunks=chunks,
+                by_source=by_source,
+                comm_sms=comm_sms,
                 overlap=overlap,
             )
             out.backward(grad)
@@ -361,7 +392,13 @@ def run(args) -> int:
         out = fn().detach()
         return [out] + [t.grad.clone() for t in (x, scores, w1, w2)]
 
-    chunk_list = [int(c) for c in args.chunks.split(",")]
+    sched_list = [_schedule(c) for c in args.chunks.split(",") if c.strip()]
+    sms_list = [int(v) for v in args.comm_sms.split(",") if v.strip()]
+    if any(v < 0 for v in sms_list):
+        raise SystemExit(f"--comm-sms: SM counts must be >= 0, got {args.comm_sms!r}")
+    chunk_list = [c for c, _ in sched_list]
+    if args.count_ops and any(b for _, b in sched_list):
+        raise SystemExit("--count-ops counts token-chunk schedules only (entries N, not Ns)")
     if args.count_ops:
 
         def layer_call(chunks):
@@ -392,32 +429,36 @@ def run(args) -> int:
         return 0
     first = None
     if args.profile:
-        for chunks in chunk_list:
-            fn = ours(chunks, True)
+        for sched in sched_list:
+            fn = ours(sched, True, max(sms_list))
             for _ in range(args.warmup):
                 fn()
-            _profile(fn, chunks, args.profile_steps, args.profile, rank, device)
+            _profile(fn, _label(sched), args.profile_steps, args.profile, rank, device)
     t_a2a = {}
-    for chunks in chunk_list:
-        ref = grads_of(ours(chunks, False))
-        same = all(torch.equal(a, b) for a, b in zip(ref, grads_of(ours(chunks, True)), strict=True))
-        # Sanity of the chunk metadata: output and dX against the first chunk count (max relative diff).
-        first = first if chunks != chunk_list[0] else ref
+    for sched in sched_list:
+        chunks, by_source = sched
+        ref = grads_of(ours(sched, False))
+        same = all(torch.equal(a, b) for a, b in zip(ref, grads_of(ours(sched, True, max(sms_list))), strict=True))
+        # Sanity of the stage metadata: output and dX against the first schedule (max relative diff).
+        first = first if sched != sched_list[0] else ref
         rel = [
             (a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-6)
             for a, b in zip(ref[:2], first[:2], strict=True)
         ]
         flag = torch.stack([torch.tensor(0.0 if same else 1.0, device=device), *[r.to(device) for r in rel]])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        for overlap in (True, False):
-            t, t_host = _timed_host(ours(chunks, overlap), device, args.warmup, args.iters)
-            row = dict(provider="ours", chunks=chunks, overlap=overlap, ms=t * 1e3, host_ms=t_host * 1e3)
+        for overlap, comm_sms in [(True, v) for v in sms_list] + [(False, 0)]:
+            t, t_host = _timed_host(ours(sched, overlap, comm_sms), device, args.warmup, args.iters)
+            row = dict(provider="ours", chunks=_label(sched), comm_sms=comm_sms, overlap=overlap)
+            row.update(ms=t * 1e3, host_ms=t_host * 1e3)
             row.update(tokens_per_s=P * T / t, bitwise=bool(flag[0].item() == 0.0))
             row.update(rel_diff_out=float(flag[1]), rel_diff_dx=float(flag[2]))
             results.append(row)
-        plan = make_plan(routing, num_experts=E, group=group, x_TD=x0, num_chunks=chunks)
-        t_a2a[chunks] = _a2a_alone(plan, x0, device, args)
-    outputs["ours"] = ours(1, True)().detach()
+            if rank == 0:
+                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        plan = make_plan(routing, num_experts=E, group=group, x_TD=x0, num_chunks=chunks, by_source=by_source)
+        t_a2a[_label(sched)] = _a2a_alone(plan, x0, device, args)
+    outputs["ours"] = ours(sched_list[0], True, sms_list[0])().detach()
 
     baseline_error = None
     if not args.no_baseline:
@@ -439,17 +480,18 @@ def run(args) -> int:
         except Exception as exc:  # report, keep our numbers
             baseline_error = f"{type(exc).__name__}: {exc}"
 
-    best = {}
-    for r in results:
-        if r["provider"] == "ours":
-            best.setdefault(r["chunks"], {})[r["overlap"]] = r["ms"] / 1e3
+    t_serial = {r["chunks"]: r["ms"] / 1e3 for r in results if r["provider"] == "ours" and not r["overlap"]}
     for r in results:
         if r["provider"] == "ours":
             r["a2a_alone_ms"] = t_a2a[r["chunks"]] * 1e3
         if r["provider"] == "ours" and r["overlap"]:
-            t_on, t_off, t_c = best[r["chunks"]][True], best[r["chunks"]][False], t_a2a[r["chunks"]]
+            t_on, t_off, t_c = r["ms"] / 1e3, t_serial[r["chunks"]], t_a2a[r["chunks"]]
             r["a2a_hidden"] = max(0.0, min(1.0, (t_off - t_on) / t_c)) if t_c > 0 else None
     summary = {f"a2a_alone_ms_chunks{c}": t * 1e3 for c, t in t_a2a.items()}
+    best_on = max((r for r in results if r.get("a2a_hidden") is not None), key=lambda r: r["a2a_hidden"], default=None)
+    if best_on is not None:
+        summary["max_a2a_hidden"] = best_on["a2a_hidden"]
+        summary["max_a2a_hidden_at"] = f"chunks {best_on['chunks']} comm_sms {best_on['comm_sms']}"
     if "megatron" in outputs:
         mg = next(r for r in results if r["provider"] == "megatron")
         fastest = min(r["ms"] for r in results if r["provider"] == "ours")
@@ -461,9 +503,10 @@ def run(args) -> int:
         summary["max_rel_diff_ours_vs_megatron"] = float(rel)
     if rank == 0:
         print(f"bench layer: P={P} T={T} d={D} n={Fn} E={E} K={K} {args.dtype} on {device.type}")
-        cols = ["provider", "chunks", "overlap", "ms", "host_ms", "tokens_per_s", "a2a_alone_ms", "a2a_hidden"]
+        cols = ["provider", "chunks", "comm_sms", "overlap", "ms", "host_ms", "tokens_per_s", "a2a_alone_ms"]
+        cols += ["a2a_hidden"]
         print_table(results, cols + ["bitwise", "rel_diff_out", "rel_diff_dx"])
-        print(", ".join(f"{k} {v:.3g}" for k, v in summary.items()))
+        print(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
         if baseline_error:
             print(f"megatron baseline failed: {baseline_error}")
         write_json(
