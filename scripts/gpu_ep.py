@@ -7,7 +7,9 @@ then ``bench dispatch`` (EP=4) and ``bench layer`` (EP=2, 4) at per-rank (T,d,n,
 Each step runs as its own torchrun with a time limit; a failing or timed-out step is reported in
 $OUT/gpu_ep_summary.json and the next step still runs. The whole pass stays under TOTAL_S (default 470 s).
 Env: OUT, TOTAL_S, CACHE (QuACK/Triton compile caches, as scripts/gpu_experts.sh), EP_BACKEND (default: cute
-if importable, else torch). EP_CHECK_CPU=1 runs the check worker on CPU/gloo at tiny sizes (to test this script:
+if importable, else torch), EP_CHUNKS (bench layer schedules at EP 4, default 1,2,4,1s,2s; ``Ns`` = by source),
+EP_COMM_SMS (default 0,16,32), EP_BIG_TOKENS (a second, GPU-bound size at EP 4, default 65536; empty: skip).
+EP_CHECK_CPU=1 runs the check worker on CPU/gloo at tiny sizes (to test this script:
 ``EP_CHECK_CPU=1 torchrun --nproc_per_node 2 scripts/gpu_ep.py check --out /tmp``).
 
 Checks (``python scripts/gpu_ep.py check`` under torchrun, run by the steps above), per rank, bf16 experts and
@@ -16,7 +18,8 @@ nothing), a rank without tokens, and flat routing:
   * EP output and every gradient (x, router logits, w1, w2) vs the float64 reference on the concatenated
     tokens: RMS and max error at most 2x PyTorch's bf16 error (+ eps/4, eps of the largest value);
   * EP == the single-process kernels (same backend) on the concatenation, reported (max relative diff);
-  * num_chunks=2 + redispatch + deferred wgrad within the same criterion; repeated runs bitwise equal;
+  * num_chunks=2 + redispatch + deferred wgrad, and by_source (+ comm_sms, chunks 2, deferred wgrad) within
+    the same criterion; repeated runs bitwise equal;
   * token rounding (nearest, tile 128): every local expert's received count a multiple of 128, and the
     decision equal to single-process rounding of the concatenation.
 """
@@ -91,25 +94,26 @@ def drive() -> int:
         config = ["--tokens", "256", "--hidden", "64", "--ffn", "32", "--experts", "8", "--topk", "2"]
         config += ["--device", "cpu"]
         backend = "torch"
+    chunks = os.environ.get("EP_CHUNKS", "1,2,4,1s,2s")  # bench layer schedules (N, or Ns = by source)
+    comm_sms = os.environ.get("EP_COMM_SMS", "0,16,32")
+    big = os.environ.get("EP_BIG_TOKENS", "65536")  # a GPU-bound size as well ("" = skip)
+    layer = [*bench, "layer", "--backend", backend, "--comm-sms", comm_sms]
     steps = [
         ("check_ep2", torchrun(2, __file__, "check", "--out", out), 110),
         ("check_ep4", torchrun(4, __file__, "check", "--out", out), 110),
         ("bench_dispatch_ep4", torchrun(4, *bench, "dispatch", *config, "--json", f"{out}/dispatch_ep4.json"), 60),
-        (
-            "bench_layer_ep4",
-            torchrun(
-                4, *bench, "layer", *config, "--backend", backend, "--chunks", "1,2", "--json", f"{out}/layer_ep4.json"
-            ),
-            120,
-        ),
-        (
-            "bench_layer_ep2",
-            torchrun(
-                2, *bench, "layer", *config, "--backend", backend, "--chunks", "1", "--json", f"{out}/layer_ep2.json"
-            ),
-            90,
-        ),
+        ("bench_layer_ep4", torchrun(4, *layer, *config, "--chunks", chunks, "--json", f"{out}/layer_ep4.json"), 150),
+        ("bench_layer_ep2", torchrun(2, *layer, *config, "--chunks", "1,1s", "--json", f"{out}/layer_ep2.json"), 90),
     ]
+    if big:
+        big_config = [big if v == CONFIG[1] else v for v in config]
+        steps.append(
+            (
+                f"bench_layer_ep4_T{big}",
+                torchrun(4, *layer, *big_config, "--chunks", "1,2,1s", "--no-baseline", "--json", f"{out}/big.json"),
+                120,
+            )
+        )
     for name, cmd, limit in steps:
         left = total - (time.time() - t0)
         if left < 20:
@@ -258,9 +262,11 @@ def check(out: str) -> int:
         ("empty_rank", {}),
         ("flat", {}),
         ("random", {"num_chunks": 2, "redispatch_x_in_backward": True, "deferred": True}),
+        ("skewed", {"by_source": True, "comm_sms": 16}),
+        ("empty_rank", {"by_source": True, "num_chunks": 2, "comm_sms": 32, "deferred": True}),
     ]
     for i, (kind, opts) in enumerate(variants):
-        label = kind + ("+chunks2+redispatch+deferred" if opts else "")
+        label = "+".join([kind] + [k if v is True else f"{k}{v}" for k, v in opts.items()])
         try:
             c = global_inputs(kind, 100 + i)
             got, _ = run_ep(c, **dict(opts))
