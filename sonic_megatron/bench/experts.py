@@ -10,10 +10,13 @@ top-K logits, SwiGLU experts, the weighted sum; the router's time is included, i
     bmm         the cuBLAS bound: two perfectly balanced ``torch.bmm`` (E, TK/E rows each) + SwiGLU, no routing
 
 TFLOPS follow SonicMoE's convention: forward 6TKdn, backward 12TKdn (backward time = fwd+bwd - fwd), timed
-with ``triton.testing.do_bench`` (median). ``act_MiB``: memory still allocated after the forward, minus the
-output (inputs and weights existed before): what the autograd graph retains. ``bound_MiB``: the target
-2Td + 4TKn + metadata (20TK + 2TE bytes) + 5 %. ``first_s``: the first fwd+bwd call in this process for the
-config (compilation, autotuning, caches). ``rel_err``: relative L2 error of the output vs ``grouped_mm``.
+with ``triton.testing.do_bench`` (median) in ``--rounds`` rounds: each round times every provider once, the
+order rotating from round to round, and the table shows each provider's median over the rounds (the JSON keeps
+every round, and ``vs_sonic_rounds``: per round, sonic-moe's fwd+bwd time over this provider's).
+``act_MiB``: memory still allocated after the forward, minus the output (inputs and weights existed before):
+what the autograd graph retains. ``bound_MiB``: the target 2Td + 4TKn + metadata (20TK + 2TE bytes) + 5 %.
+``first_s``: the first fwd+bwd call in this process for the config (compilation, autotuning, caches).
+``rel_err``: relative L2 error of the output vs ``grouped_mm``.
 """
 
 from __future__ import annotations
@@ -50,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tile policy of the cute backend (sets SONIC_MEGATRON_CUTE_TUNING; default: leave it as is)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed of inputs and weights")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="timing rounds per config: every round times each provider once, the order rotating between "
+        "rounds; medians over rounds are reported (default 3)",
+    )
 
 
 def _parse(config: str) -> tuple[int, int, int, int, int]:
@@ -144,8 +154,9 @@ def _make_providers(names, T, d, n, E, K, seed):
     return out
 
 
-def _measure(name, fn, inputs, flops_fwd, warmup, rep):
-    from triton.testing import do_bench
+def _prepare(fn, inputs):
+    """(fwd, fwd_bwd, first_s, act_bytes): the timed closures, the first fwd+bwd call's seconds (compilation,
+    autotuning, caches) and the activation memory the forward keeps for backward."""
 
     def fwd():
         return fn()
@@ -163,14 +174,15 @@ def _measure(name, fn, inputs, flops_fwd, warmup, rep):
     fwd_bwd()
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
-    fwd_ms = do_bench(fwd, warmup=warmup, rep=rep, return_mode="median")
-    fwdbwd_ms = do_bench(fwd_bwd, warmup=warmup, rep=rep, return_mode="median")
-    torch.cuda.synchronize()
     m0 = torch.cuda.memory_allocated()
     o = fn()
     torch.cuda.synchronize()
     act = torch.cuda.memory_allocated() - m0 - o.numel() * o.element_size()
     del o
+    return fwd, fwd_bwd, first_s, act
+
+
+def _timing_row(fwd_ms: float, fwdbwd_ms: float, flops_fwd: int) -> dict:
     bwd_ms = fwdbwd_ms - fwd_ms
     return {
         "fwd_ms": fwd_ms,
@@ -179,9 +191,41 @@ def _measure(name, fn, inputs, flops_fwd, warmup, rep):
         "fwd_TF": flops_fwd / fwd_ms * 1e-9,
         "bwd_TF": 2 * flops_fwd / bwd_ms * 1e-9 if bwd_ms > 0 else None,
         "fwdbwd_TF": 3 * flops_fwd / fwdbwd_ms * 1e-9,
-        "act_MiB": act / 2**20,
-        "first_s": first_s,
     }
+
+
+def _measure_config(names, providers, flops_fwd, args) -> dict[str, dict]:
+    """Per provider: first-call seconds, activation memory, then ``args.rounds`` rounds of do_bench (fwd and
+    fwd+bwd), each round timing every provider once in a rotated order (so drift of clocks or temperature
+    during the run does not favour the provider that always goes first); medians over rounds."""
+    import statistics
+
+    from triton.testing import do_bench
+
+    ready, out = {}, {}
+    for name in names:
+        entry = providers[name]
+        if isinstance(entry, Exception):
+            out[name] = {"error": f"{type(entry).__name__}: {entry}"}
+            continue
+        try:
+            fwd, fwd_bwd, first_s, act = _prepare(*entry)
+            ready[name] = (fwd, fwd_bwd)
+            out[name] = {"act_MiB": act / 2**20, "first_s": first_s, "fwd_rounds": [], "fwdbwd_rounds": []}
+        except Exception as exc:  # keep measuring the others; the error goes to the table/JSON
+            out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    order = list(ready)
+    for r in range(args.rounds):
+        for name in order[r % len(order) :] + order[: r % len(order)] if order else []:
+            fwd, fwd_bwd = ready[name]
+            out[name]["fwd_rounds"].append(do_bench(fwd, warmup=args.warmup, rep=args.rep, return_mode="median"))
+            out[name]["fwdbwd_rounds"].append(do_bench(fwd_bwd, warmup=args.warmup, rep=args.rep, return_mode="median"))
+    for name in order:
+        row = out[name]
+        row.update(
+            _timing_row(statistics.median(row["fwd_rounds"]), statistics.median(row["fwdbwd_rounds"]), flops_fwd)
+        )
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -206,31 +250,25 @@ def run(args: argparse.Namespace) -> int:
         if "grouped_mm" in providers and not isinstance(providers["grouped_mm"], Exception):
             with torch.no_grad():
                 ref_out = providers["grouped_mm"][0]().float()
+        measured = _measure_config(names, providers, flops_fwd, args)
         cfg_rows = []
         for name in names:
-            row = {"config": config, "provider": name, "bound_MiB": bound}
+            row = {"config": config, "provider": name, "bound_MiB": bound, **measured[name]}
             entry = providers[name]
-            if isinstance(entry, Exception):
-                row["error"] = f"{type(entry).__name__}: {entry}"
-            else:
-                fn, inputs = entry
-                try:
-                    row.update(_measure(name, fn, inputs, flops_fwd, args.warmup, args.rep))
-                    if ref_out is not None and name != "bmm":
-                        with torch.no_grad():
-                            o = fn().float()
-                        row["rel_err"] = ((o - ref_out).norm() / ref_out.norm()).item()
-                except Exception as exc:  # keep measuring the others; the error goes to the table/JSON
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            if ref_out is not None and name != "bmm" and "error" not in row:
+                with torch.no_grad():
+                    o = entry[0]().float()
+                row["rel_err"] = ((o - ref_out).norm() / ref_out.norm()).item()
             cfg_rows.append(row)
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-            write_json(args.json, _payload(rows + cfg_rows))
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
         sonic = next((r for r in cfg_rows if r["provider"] == "sonic" and "fwdbwd_TF" in r), None)
         for r in cfg_rows:
             if sonic and "fwdbwd_TF" in r:
                 r["vs_sonic"] = r["fwdbwd_TF"] / sonic["fwdbwd_TF"]
                 r["fwd_vs_sonic"] = r["fwd_TF"] / sonic["fwd_TF"]
+                # per round (same round = close in time): sonic's time / ours
+                r["vs_sonic_rounds"] = [a / b for a, b in zip(sonic["fwdbwd_rounds"], r["fwdbwd_rounds"], strict=True)]
         rows.extend(cfg_rows)
         del providers, ref_out
         torch.cuda.empty_cache()
