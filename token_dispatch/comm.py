@@ -72,6 +72,18 @@ def all_to_all(
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
 
 
+def send_recv(inp: torch.Tensor, to: int, out: torch.Tensor, frm: int, group) -> list:
+    """Send ``inp`` to group rank ``to`` and receive ``out`` from group rank ``frm`` as one async batch
+    (``batch_isend_irecv``: one NCCL group, only the two peers synchronise); returns the work handles.
+    Every rank of the group must call it at the same point (the by-source ring does). Empty tensors are
+    exchanged too, so that sends and receives always pair up."""
+    ops = [
+        dist.P2POp(dist.isend, inp.contiguous(), dist.get_global_rank(group, to), group),
+        dist.P2POp(dist.irecv, out, dist.get_global_rank(group, frm), group),
+    ]
+    return dist.batch_isend_irecv(ops)
+
+
 # torch >= 2.13 renames all_gather_into_tensor (and warns); the GPU image's torch 2.11 has only the old name.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .comm import Pending, all_to_all
+from .comm import Pending, all_to_all, send_recv
 from .plan import EPPlan
 
 # The send side always passes the full buffer (all stages, sliced here); the receive side passes the stage's
@@ -13,9 +13,18 @@ from .plan import EPPlan
 # chunk, or (by source) one (chunk, peer) exchange: see ``EPPlan.num_stages``.
 
 
-def _exchange(plan: EPPlan, i: int, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, pending) -> None:
+def _exchange(
+    plan: EPPlan, i: int, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, pending, back: bool = False
+) -> None:
+    """Stage i's movement of ``inp`` into ``out`` (``back``: towards the sources). By source, a stage is one
+    send and one receive (point-to-point, every rank in the ring at once); else a chunk's all-to-all."""
     if plan.is_local_stage(i):  # this rank's own rows: a device copy, no collective (the same on every rank)
         out.copy_(inp)
+        return
+    if plan.by_source:
+        _, dst, src = plan.stage_peers(i)
+        for work in send_recv(inp, src if back else dst, out, dst if back else src, plan.group):
+            pending.add(work)
         return
     pending.add(all_to_all(out, inp, out_splits, in_splits, plan.group, True))
 
@@ -31,7 +40,7 @@ def rows_to_sources(plan: EPPlan, recv_stage: torch.Tensor, send_SD: torch.Tenso
     """Launch stage i's all-to-all of per-received-row results back into the send-ordered rows; async."""
     s0, s1 = plan.send_row_range(i)
     send, recv = plan.stage_splits(i)
-    _exchange(plan, i, send_SD[s0:s1], recv_stage, send, recv, pending)
+    _exchange(plan, i, send_SD[s0:s1], recv_stage, send, recv, pending, back=True)
 
 
 def pairs_to_sources(plan: EPPlan, recv_stage: torch.Tensor, send_R: torch.Tensor, i: int, pending: Pending) -> None:
@@ -39,7 +48,7 @@ def pairs_to_sources(plan: EPPlan, recv_stage: torch.Tensor, send_R: torch.Tenso
     values towards the experts -- the scores -- ride in the plan's pair-metadata all-to-all.)"""
     s0, s1 = plan.send_pair_range(i)
     send, recv = plan.stage_splits(i, pairs=True)
-    _exchange(plan, i, send_R[s0:s1], recv_stage, send, recv, pending)
+    _exchange(plan, i, send_R[s0:s1], recv_stage, send, recv, pending, back=True)
 
 
 def recv_rows(plan: EPPlan, buf: torch.Tensor, i: int) -> torch.Tensor:
