@@ -5,7 +5,8 @@ One call (training or eval)::
     from sonic_megatron.token_dispatch import expert_parallel_experts, TokenRounding
     out_TD = expert_parallel_experts(x_TD, routing, w1_EGD, w2_EDF, group=ep_group, num_experts=E,
                                      rounding=TokenRounding("nearest", 128), rounding_scores_TE=probs_TE,
-                                     num_chunks=1, redispatch_x_in_backward=False, wgrad=None)
+                                     num_chunks=1, by_source=False, comm_sms=0,
+                                     redispatch_x_in_backward=False, wgrad=None)
 
 Step-wise, for Megatron's method split (each step its own autograd node, linked only by tensors)::
 
@@ -16,7 +17,8 @@ Step-wise, for Megatron's method split (each step its own autograd node, linked 
     out_TD = combine(y_recv, plan)                     # one row per (token, rank) back; fixed-order sum
 
 Refinements of the team contract (all contract names work as specified):
-  * ``make_plan`` also takes ``num_chunks`` and, optionally, ``x_TD``, ``w1_EGD``, ``w2_EDF``,
+  * ``make_plan`` also takes ``num_chunks``, ``by_source`` (stages per (chunk, source rank)) and, optionally,
+    ``x_TD``, ``w1_EGD``, ``w2_EDF``,
     ``activation``: given, they are checked on every rank and compared across ranks in the plan's header
     exchange (a mismatch raises ``EPInputError`` on all ranks instead of hanging in an all-to-all).
   * ``expert_parallel_experts(..., return_plan=True)`` also returns the ``EPPlan``.

@@ -13,42 +13,41 @@ from .plan import EPPlan
 # chunk, or (by source) one (chunk, peer) exchange: see ``EPPlan.num_stages``.
 
 
-def _exchange(
-    plan: EPPlan, i: int, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, pending, back: bool = False
-) -> None:
-    """Stage i's movement of ``inp`` into ``out`` (``back``: towards the sources). By source, a stage is one
-    send and one receive (point-to-point, every rank in the ring at once); else a chunk's all-to-all."""
+def _exchange(plan: EPPlan, i: int, out: torch.Tensor, inp: torch.Tensor, pending, *, back: bool, pairs: bool) -> None:
+    """Stage i's movement of ``inp`` into ``out``: rows (or ``pairs``) towards the experts, or ``back`` towards
+    their sources. By source, a stage is one send and one receive (point-to-point, every rank of the ring at
+    once); otherwise the chunk's all-to-all with its per-rank split sizes."""
     if plan.is_local_stage(i):  # this rank's own rows: a device copy, no collective (the same on every rank)
         out.copy_(inp)
         return
+    c, dst, src = plan.stage_peers(i)
     if plan.by_source:
-        _, dst, src = plan.stage_peers(i)
         for work in send_recv(inp, src if back else dst, out, dst if back else src, plan.group):
             pending.add(work)
         return
+    send = (plan.send_pairs if pairs else plan.send_rows)[c]
+    recv = (plan.recv_pairs if pairs else plan.recv_rows)[c]
+    out_splits, in_splits = (send, recv) if back else (recv, send)
     pending.add(all_to_all(out, inp, out_splits, in_splits, plan.group, True))
 
 
 def rows_to_experts(plan: EPPlan, send_SD: torch.Tensor, recv_stage: torch.Tensor, i: int, pending: Pending) -> None:
-    """Launch stage i's all-to-all of send rows into that stage's receive rows; async."""
+    """Launch stage i's exchange of send rows into that stage's receive rows; async."""
     s0, s1 = plan.send_row_range(i)
-    send, recv = plan.stage_splits(i)
-    _exchange(plan, i, recv_stage, send_SD[s0:s1], recv, send, pending)
+    _exchange(plan, i, recv_stage, send_SD[s0:s1], pending, back=False, pairs=False)
 
 
 def rows_to_sources(plan: EPPlan, recv_stage: torch.Tensor, send_SD: torch.Tensor, i: int, pending: Pending) -> None:
-    """Launch stage i's all-to-all of per-received-row results back into the send-ordered rows; async."""
+    """Launch stage i's exchange of per-received-row results back into the send-ordered rows; async."""
     s0, s1 = plan.send_row_range(i)
-    send, recv = plan.stage_splits(i)
-    _exchange(plan, i, send_SD[s0:s1], recv_stage, send, recv, pending, back=True)
+    _exchange(plan, i, send_SD[s0:s1], recv_stage, pending, back=True, pairs=False)
 
 
 def pairs_to_sources(plan: EPPlan, recv_stage: torch.Tensor, send_R: torch.Tensor, i: int, pending: Pending) -> None:
-    """Launch stage i's all-to-all of per-received-pair values (dS) back to the pairs' sources; async. (Pair
+    """Launch stage i's exchange of per-received-pair values (dS) back to the pairs' sources; async. (Pair
     values towards the experts -- the scores -- ride in the plan's pair-metadata all-to-all.)"""
     s0, s1 = plan.send_pair_range(i)
-    send, recv = plan.stage_splits(i, pairs=True)
-    _exchange(plan, i, send_R[s0:s1], recv_stage, send, recv, pending, back=True)
+    _exchange(plan, i, send_R[s0:s1], recv_stage, pending, back=True, pairs=True)
 
 
 def recv_rows(plan: EPPlan, buf: torch.Tensor, i: int) -> torch.Tensor:

@@ -121,15 +121,6 @@ class EPPlan:
         """Stage i moves only this rank's own rows (by source, k = 0): a device copy, no collective."""
         return self.by_source and i % self.world_size == 0
 
-    def stage_splits(self, i: int, pairs: bool = False) -> tuple[list[int], list[int]]:
-        """(send splits, receive splits) per rank of stage i's row (or pair) all-to-all, forward direction."""
-        c, dst, src = self.stage_peers(i)
-        send = (self.send_pairs if pairs else self.send_rows)[c]
-        recv = (self.recv_pairs if pairs else self.recv_rows)[c]
-        if dst is None:
-            return send, recv
-        return [n if p == dst else 0 for p, n in enumerate(send)], [n if p == src else 0 for p, n in enumerate(recv)]
-
     # --- host-side offsets inside the send / receive buffers (ordered chunk, then rank) -------------------
     def _cum(self, name: str) -> list[int]:
         """Prefix sums of the [N][P] counts ``name`` flattened in (chunk, rank) order: N*P + 1 offsets."""

@@ -3,7 +3,7 @@
     metadata.py    routing metadata (expert offsets and the three index arrays), device-side, no host sync
     gather_sum.py  deterministic fp32 gather-and-sum over each token's pairs: the forward aggregation
                    O_t = sum_j s_j Y[row(j)] and the backward dX_t = sum_j dX~[row(j)]
-    ep_recv.py     expert-parallel receive side: each received pair's row and (chunk, local expert) key,
+    ep_recv.py     expert-parallel receive side: each received pair's row and (stage, local expert) key,
                    and the rows' CSR offsets, from the all-gathered split sizes (token_dispatch/plan.py)
     topk_softmax.py router top-K + softmax over the logits in one launch, its dense backward in one launch
 
