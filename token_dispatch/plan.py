@@ -135,9 +135,9 @@ class EPPlan:
     def _range(self, name: str, i: int) -> tuple[int, int]:
         c, dst, src = self.stage_peers(i)
         peer = dst if name.startswith("send") else src
-        o, P = self._cum(name), self.world_size
         if peer is None:
-            return o[c * P], o[(c + 1) * P]
+            return self.chunk_range(name, c)
+        o, P = self._cum(name), self.world_size
         return o[c * P + peer], o[c * P + peer + 1]
 
     def chunk_range(self, name: str, c: int) -> tuple[int, int]:
@@ -406,7 +406,7 @@ def make_plan(
         recv_rows=recv_rows,
         recv_pairs=recv_pairs,
         rounding=rounded,
-        by_source=bool(by_source),
+        by_source=by_source,
     )
     # Pair metadata (and scores): one all-to-all per chunk, launched now and NOT waited for: the receive
     # metadata is built on first use of ``plan.recv_meta`` (after the caller launched its row all-to-alls).

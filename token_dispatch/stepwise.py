@@ -74,7 +74,7 @@ class _LocalExperts(torch.autograd.Function):
         ctx.plan, ctx.ops, ctx.activation, ctx.wgrad = plan, ops, activation, wgrad
         # Cached: the received (deduplicated) token rows, H per chunk, scores; never per-pair copies.
         ctx.save_for_backward(x_UD, s_Q, w1, w2, *hs)
-        return _in_buffer_order(plan, ys, plan.recv_row_range)
+        return _in_buffer_order(ys, plan.recv_row_range)
 
     @staticmethod
     def backward(ctx, dy_UD):
@@ -93,18 +93,16 @@ class _LocalExperts(torch.autograd.Function):
                 dw1, dw2 = _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, ctx.wgrad, dw1, dw2)
         if dw1 is not None:
             dw1, dw2 = dw1.to(w1.dtype), dw2.to(w2.dtype)
-        dx_UD = _in_buffer_order(plan, dxs, plan.recv_row_range)
-        ds_Q = _in_buffer_order(plan, dss, plan.recv_pair_range).to(s_Q.dtype)
+        dx_UD = _in_buffer_order(dxs, plan.recv_row_range)
+        ds_Q = _in_buffer_order(dss, plan.recv_pair_range).to(s_Q.dtype)
         return dx_UD, ds_Q, dw1, dw2, None, None, None, None
 
 
-def _in_buffer_order(plan: EPPlan, per_stage: list[torch.Tensor], stage_range) -> torch.Tensor:
-    """One tensor of the stages' results in receive-buffer order. Stages follow the buffer in chunk mode (a
-    concatenation); by source they do not (stage (c, k) holds source rank - k), so each goes to its range."""
+def _in_buffer_order(per_stage: list[torch.Tensor], stage_range) -> torch.Tensor:
+    """One tensor of the stages' results in receive-buffer order: each stage's result goes to its range (by
+    source, stages are not in buffer order: stage (c, k) holds source rank - k)."""
     if len(per_stage) == 1:
         return per_stage[0]
-    if not plan.by_source:
-        return torch.cat(per_stage)
     out = per_stage[0].new_empty(sum(t.shape[0] for t in per_stage), *per_stage[0].shape[1:])
     for i, t in enumerate(per_stage):
         r0, r1 = stage_range(i)
