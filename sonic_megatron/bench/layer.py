@@ -69,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps per chunk count (default 3)")
     parser.add_argument(
+        "--host-profile",
+        default=None,
+        help="directory for a cProfile table of ours' Python host work per schedule (rank 0, --profile-steps "
+        "steps, with comm_sms the largest --comm-sms value); off if unset",
+    )
+    parser.add_argument(
         "--count-ops",
         action="store_true",
         help="only count ours' host work per chunk count (would-be kernel launches, collectives, host syncs of "
@@ -284,6 +290,37 @@ def _profile(fn, chunks: int, steps: int, out_dir: str, rank: int, device) -> No
     prof.export_chrome_trace(os.path.join(out_dir, f"trace_chunks{chunks}_rank0.json"))
 
 
+def _host_profile(fn, label: str, steps: int, out_dir: str, rank: int, device) -> None:
+    """cProfile over ``steps`` calls; rank 0 writes the functions by cumulative and by own time. cProfile
+    inflates Python-heavy code, so read shares, not absolute times (``host_ms`` is the unprofiled number)."""
+    import cProfile
+    import io
+    import os
+    import pstats
+
+    from .dispatch import sync
+
+    sync(device)
+    dist.barrier()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        fn()
+    prof.disable()
+    sync(device)
+    if rank != 0:
+        return
+    buf = io.StringIO()
+    buf.write(f"cProfile of ours, schedule {label}, overlap on, {steps} steps, rank 0\n")
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("cumulative").print_stats(60)
+    stats.sort_stats("tottime").print_stats(40)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"host_profile_{label}.txt"), "w") as f:
+        f.write(buf.getvalue())
+    print(buf.getvalue()[:6000], flush=True)
+
+
 class _RegionOps:
     """A kernels backend whose calls are tallied under the "experts" region of the counter ``holder[0]``."""
 
@@ -434,6 +471,12 @@ def run(args) -> int:
             for _ in range(args.warmup):
                 fn()
             _profile(fn, _label(sched), args.profile_steps, args.profile, rank, device)
+    if args.host_profile:
+        for sched in sched_list:
+            fn = ours(sched, True, max(sms_list))
+            for _ in range(args.warmup):
+                fn()
+            _host_profile(fn, _label(sched), args.profile_steps, args.host_profile, rank, device)
     t_a2a = {}
     for sched in sched_list:
         chunks, by_source = sched
