@@ -28,7 +28,7 @@ def kernel_table(fn, steps: int = 3) -> list[tuple[str, int, float]]:
     rows = []
     for e in prof.key_averages():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0:
-            rows.append((e.key[:90], e.count // steps, e.self_device_time_total / steps / 1000))
+            rows.append((e.key[:600], e.count // steps, e.self_device_time_total / steps / 1000))
     return sorted(rows, key=lambda r: -r[2])
 
 
@@ -64,6 +64,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="32768,2048,1024,64,8")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--steps", type=int, default=3, help="profiled steps per table")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the gather-sum launch-parameter sweep")
     args = ap.parse_args()
     T, d, n, E, K = B._parse(args.config)  # bench experts' own check of T,d,n,E,K
     import sonic_megatron.kernels.cute  # noqa: F401
@@ -86,14 +88,15 @@ def main():
                 t.grad = None
 
         for phase, f in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
-            table = kernel_table(f)
+            table = kernel_table(f, args.steps)
             total = sum(r[2] for r in table)
             report[f"{name}_{phase}"] = {"total_ms": total, "kernels": table[:30]}
             print(f"\n== {name} {phase}: kernel total {total:.3f} ms per step")
             for k, c, ms in table[:30]:
-                print(f"  {ms:8.3f} ms  x{c:<3d} {k}")
-    print("\n== gather_sum sweep (bf16 rows, fp32 weights)")
-    report["gather_sum_sweep"] = gather_sum_sweep(T, d, K)
+                print(f"  {ms:8.3f} ms  x{c:<3d} {k[:110]}")
+    if not args.no_sweep:
+        print("\n== gather_sum sweep (bf16 rows, fp32 weights)")
+        report["gather_sum_sweep"] = gather_sum_sweep(T, d, K)
     with open(os.path.join(args.out, f"experts-profile-{args.config.replace(',', '_')}.json"), "w") as f:
         json.dump(report, f, indent=1)
 
