@@ -128,16 +128,44 @@ def backward_data(
     return dx_TD, dscores_R, (aprime_RF, dH_RG)
 
 
+def check_weight_grad_out(out, shapes: tuple[tuple[int, ...], tuple[int, ...]], device, dtypes=None) -> None:
+    """Raise ValueError unless ``out`` is a pair of contiguous floating tensors of ``shapes`` on ``device``
+    (and of one of ``dtypes`` when given): the accumulators of ``backward_weights(..., out=...)``."""
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise ValueError(f"backward_weights: out must be a pair (dW1 accumulator, dW2 accumulator), got {type(out)}")
+    for name, t, shape in (("out[0] (dW1)", out[0], shapes[0]), ("out[1] (dW2)", out[1], shapes[1])):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)
+            raise ValueError(f"backward_weights: {name} must have shape {tuple(shape)}, got {got}")
+        if not t.is_floating_point() or (dtypes is not None and t.dtype not in dtypes):
+            raise ValueError(f"backward_weights: {name}.dtype must be one of {dtypes or 'float dtypes'}, got {t.dtype}")
+        if t.device != device or not t.is_contiguous():
+            raise ValueError(f"backward_weights: {name} must be contiguous on {device}, got {t.device}, {t.stride()}")
+
+
 def backward_weights(
     dO_TD: torch.Tensor,
     x_TD: torch.Tensor,
     aprime_RF: torch.Tensor,
     dH_RG: torch.Tensor,
     meta: RoutingMetadata,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dW1 [E, G, D], dW2 [E, D, F]) as varlen-K grouped GEMMs over gathered rows of X and dO."""
+    """(dW1 [E, G, D], dW2 [E, D, F]) as varlen-K grouped GEMMs over gathered rows of X and dO.
+
+    ``out=(dW1_acc, dW2_acc)`` (those shapes, contiguous, any float dtype, typically fp32): the gradients are
+    ADDED into these buffers, which are returned (fused accumulation: Megatron's ``main_grad``, the chunks of
+    an expert-parallel backward). Here the sum is formed in the compute dtype and added; the GPU backend adds
+    inside its GEMM epilogue."""
+    E, F = meta.num_experts, aprime_RF.shape[1]
+    if out is not None:
+        check_weight_grad_out(out, ((E, dH_RG.shape[1], x_TD.shape[1]), (E, x_TD.shape[1], F)), x_TD.device)
     counts = _host_counts(meta)
     gather = meta.x_gather_idx.long()
     dw2_EDF = _grouped_mm_varlen_k(dO_TD.index_select(0, gather), aprime_RF, counts)
     dw1_EGD = _grouped_mm_varlen_k(dH_RG, x_TD.index_select(0, gather), counts)
-    return dw1_EGD, dw2_EDF
+    if out is None:
+        return dw1_EGD, dw2_EDF
+    out[0].add_(dw1_EGD.to(out[0].dtype))
+    out[1].add_(dw2_EDF.to(out[1].dtype))
+    return out[0], out[1]

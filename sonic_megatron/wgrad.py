@@ -4,9 +4,10 @@
 Shape legend: see ``kernels/routing.py``.
 
 Megatron's contract, mirrored here:
-* fused accumulation: the gradient is added into ``param.main_grad``, ``param.grad_added_to_main_grad`` is
-  set, and autograd receives a dummy tensor so that DDP's per-parameter hook still fires (it skips the add
-  because of the flag) -- exactly what Megatron's own linear layers do;
+* fused accumulation: the gradient is added into ``param.main_grad`` (by the weight-gradient GEMMs themselves,
+  ``compute(out=main_grads)``, when both weights have a contiguous ``main_grad``),
+  ``param.grad_added_to_main_grad`` is set, and autograd receives a dummy tensor so that DDP's per-parameter
+  hook still fires (it skips the add because of the flag) -- exactly what Megatron's own linear layers do;
 * delayed wgrad: backward records what the weight GEMMs need and returns no weight gradient; ``compute()``
   (called from ``backward_dw()``) runs the GEMMs, accumulates, then calls the hooks DDP registered through
   ``register_wgrad_accumulation_and_reduce_hooks`` (parameters carry ``skip_backward_post_hook``).
@@ -21,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from .token_dispatch.wgrad import accumulate_weight_grad
+from .token_dispatch.wgrad import accumulate_weight_grad, fusable_main_grads
 
 
 class WeightGradSink:
@@ -42,6 +43,10 @@ class WeightGradSink:
         if self.delay:
             self._pending.append(compute)
             return (None,) * len(self.params)
+        mains = fusable_main_grads(self.params) if self.fuse_main_grad else None
+        if mains is not None:  # the GEMMs add straight into the fp32 main_grads: no temporary, no add kernel
+            compute(out=mains)
+            return tuple(self._added_to_main_grad(p) for p in self.params)
         grads = compute()
         if not self.fuse_main_grad:
             return grads
@@ -51,13 +56,17 @@ class WeightGradSink:
                 out.append(g)
                 continue
             p.main_grad.add_(g.to(p.main_grad.dtype))
-            if hasattr(p, "grad_added_to_main_grad"):
-                p.grad_added_to_main_grad = True
-                # A dummy grad keeps DDP's grad-ready hook firing; DDP skips the add (flag set above).
-                out.append(torch.empty(p.shape, dtype=g.dtype, device=g.device))
-            else:
-                out.append(None)
+            out.append(self._added_to_main_grad(p))
         return tuple(out)
+
+    @staticmethod
+    def _added_to_main_grad(p: torch.nn.Parameter) -> torch.Tensor | None:
+        """After adding p's gradient into ``p.main_grad``: Megatron's flag, and what autograd gets for p."""
+        if not hasattr(p, "grad_added_to_main_grad"):
+            return None
+        p.grad_added_to_main_grad = True
+        # A dummy grad keeps DDP's grad-ready hook firing; DDP skips the add (flag set above).
+        return torch.empty(p.shape, dtype=p.dtype, device=p.device)
 
     # -- called from backward_dw() ---------------------------------------------------------------------
     @property
@@ -71,7 +80,13 @@ class WeightGradSink:
             return
         if self.ep_deferred is not None:
             self.ep_deferred.compute()
+        mains = fusable_main_grads(self.params) if self.fuse_main_grad else None
         while self._pending:
+            if mains is not None:
+                self._pending.popleft()(out=mains)
+                for p in self.params:
+                    p.grad_added_to_main_grad = True
+                continue
             grads = self._pending.popleft()()
             for p, g in zip(self.params, grads, strict=True):
                 accumulate_weight_grad(p, g, use_main_grad=self.fuse_main_grad)

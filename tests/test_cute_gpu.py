@@ -204,3 +204,43 @@ def test_cute_rejects_unsupported_inputs():
     for args, kw, match in cases:
         with pytest.raises(ValueError, match=match):
             moe_experts(*args, backend="cute", **kw)
+
+
+@pytest.mark.parametrize("name", ["ragged", "hot_and_empty_experts", "rank_receives_nothing"])
+def test_cute_weight_grads_added_into_fp32_out(name):
+    """``compute(out=(acc1, acc2))`` (Megatron's fused main_grad path, chunked EP backward): the GEMMs add dW1/dW2
+    into fp32 accumulators in their epilogue. vs float64: acc0 + dW_ref, within 2x the torch backend doing the
+    same in bf16 (+ atol); experts without rows leave their accumulator bits untouched; two runs bitwise equal."""
+    _require_cute()
+    x, routing, w1, w2, dO, dtype, act = _case(*SMALL[name])
+    ref = _run("reference", x, routing, w1, w2, dO, torch.float64, act)
+    gen = torch.Generator().manual_seed(11)
+    acc0 = (torch.randn(w1.shape, generator=gen).cuda(), torch.randn(w2.shape, generator=gen).cuda())
+
+    def fused(backend):
+        acc = tuple(a.clone() for a in acc0)
+        xl, r, _, w1l, w2l = _leaves(x, routing, w1, w2, dtype)
+
+        def hook(compute):
+            compute(out=acc)
+            return None, None
+
+        if backend == "cute":
+            _poison()
+        out = moe_experts(xl, r, w1l, w2l, activation=act, backend=backend, weight_grad_hook=hook)
+        if out.requires_grad:
+            out.backward(dO.to(dtype))
+        return acc
+
+    got, again, base = fused("cute"), fused("cute"), fused("torch")
+    used = torch.zeros(w1.shape[0], dtype=torch.bool)
+    if isinstance(routing, TopKRouting) and x.shape[0]:
+        used[routing.indices_TK.reshape(-1).unique().cpu()] = True
+    for k, rname in enumerate(("dw1", "dw2")):
+        r = acc0[k].double() + ref[rname]
+        assert got[k].dtype == torch.float32 and torch.equal(got[k], again[k]), rname
+        err = (got[k].double() - r).abs().max().item()
+        base_err = (base[k].double() - r).abs().max().item()
+        atol = torch.finfo(dtype).eps / 2 * ref[rname].abs().max().item()
+        assert err <= 2 * base_err + atol, f"{rname}: err {err:.3e} > 2 x torch {base_err:.3e} + atol {atol:.1e}"
+        assert torch.equal(got[k][~used.cuda()], acc0[k][~used.cuda()]), f"{rname}: an empty expert's buffer changed"

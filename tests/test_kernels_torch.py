@@ -258,3 +258,54 @@ def test_two_runs_bitwise_equal(case, dtype):
     for name in OUTPUTS:
         assert torch.equal(first[name], second[name]), name
     assert set(first) == {"out", *GRADS}
+
+
+@pytest.mark.parametrize("case", ["topk", "experts_without_tokens", "flat_no_pairs", "T0_topk"])
+def test_weight_grads_added_into_out(case):
+    """compute(out=(acc1, acc2)) through ``weight_grad_hook`` adds dW1/dW2 into the accumulators (Megatron's
+    fused main_grad path); autograd then gets what the hook returns (None here)."""
+    from sonic_megatron.kernels import moe_experts
+
+    p = CASES[case]("swiglu")
+    want = run(ours, p, "swiglu", torch.float64)
+    gen = torch.Generator().manual_seed(5)
+    acc0 = (torch.randn(p.w1_EGD.shape, generator=gen), torch.randn(p.w2_EDF.shape, generator=gen))
+    acc = tuple(a.clone() for a in acc0)  # fp32 accumulators for float64 weights: any float dtype is allowed
+    w1, w2 = (t.detach().clone().requires_grad_() for t in (p.w1_EGD, p.w2_EDF))
+    x = p.x_TD.detach().clone().requires_grad_()
+
+    def hook(compute):
+        assert compute(out=acc) is not None
+        return None, None
+
+    out = moe_experts(x, p.routing(p.scores.clone()), w1, w2, backend="torch", weight_grad_hook=hook)
+    if out.requires_grad:
+        out.backward(p.dO_TD)
+    assert w1.grad is None and w2.grad is None
+    for a, a0, g in zip(acc, acc0, (want["dw1"], want["dw2"]), strict=True):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a.double(), (a0.double() + g).float().double(), rtol=0, atol=1e-5)
+
+
+def test_weight_grads_out_is_checked():
+    p = CASES["topk"]("swiglu")
+    x, w1, w2 = p.x_TD, p.w1_EGD, p.w2_EDF
+    _, meta = torch_backend_metadata(p)
+    good = (torch.zeros(w1.shape), torch.zeros(w2.shape))
+    ap = torch.zeros(meta.num_rows, w2.shape[2], dtype=x.dtype)
+    dH = torch.zeros(meta.num_rows, w1.shape[1], dtype=x.dtype)
+    for bad, match in (
+        ((good[0],), "pair"),
+        ((good[0][:1], good[1]), r"out\[0\] \(dW1\) must have shape"),
+        ((good[0], good[1].int()), r"out\[1\] \(dW2\).dtype"),
+        ((good[0], good[1].transpose(1, 2).contiguous()), r"out\[1\] \(dW2\) must have shape"),
+        ((good[0], torch.zeros(w2.shape[0], w2.shape[2], w2.shape[1]).transpose(1, 2)), "contiguous"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            torch_backend.backward_weights(p.dO_TD, x, ap, dH, meta, out=bad)
+
+
+def torch_backend_metadata(p):
+    from sonic_megatron.kernels.interface import compute_metadata
+
+    return compute_metadata(p.routing(p.scores), p.num_experts)

@@ -471,3 +471,34 @@ def test_forward_host_order(N):
         assert kinds[: first_sync + 1] == ["collective", "sync"], kinds
         assert kinds[first_sync + 1 : first_sync + 1 + 2 * N] == ["collective"] * N + ["row_a2a"] * N, kinds
         assert summary["collectives"] == 1 + 3 * N, summary
+
+
+def test_deferred_wgrad_adds_into_main_grads_through_out():
+    """With a contiguous main_grad on both weights, compute() hands them to the recorded GEMMs as ``out``
+    (fused accumulation, no temporary); otherwise it accumulates the returned gradients."""
+    w1, w2 = torch.zeros(2, 4, 3, requires_grad=True), torch.zeros(2, 3, 2, requires_grad=True)
+    g1, g2 = torch.randn(2, 4, 3), torch.randn(2, 3, 2)
+    calls = []
+
+    def fn(out=None):
+        calls.append(out is not None)
+        if out is None:
+            return g1, g2
+        out[0].add_(g1)
+        out[1].add_(g2)
+        return out
+
+    wg = DeferredWeightGrad()
+    wg.record(fn, w1, w2)
+    wg.compute()  # no main_grad: returned gradients go to .grad
+    assert calls == [False] and torch.equal(w1.grad, g1) and torch.equal(w2.grad, g2)
+    for w in (w1, w2):
+        w.main_grad = torch.ones(w.shape, dtype=torch.float32)
+        w.grad_added_to_main_grad = False
+    wg.record(fn, w1, w2)
+    wg.record(fn, w1, w2)
+    wg.compute()
+    assert calls == [False, True, True] and wg.num_pending == 0
+    torch.testing.assert_close(w1.main_grad, 1 + g1 + g1, rtol=0, atol=0)
+    torch.testing.assert_close(w2.main_grad, 1 + g2 + g2, rtol=0, atol=0)
+    assert w1.grad_added_to_main_grad and w2.grad_added_to_main_grad

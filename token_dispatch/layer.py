@@ -29,7 +29,7 @@ from . import exchange as X
 from .comm import Pending
 from .plan import EPPlan, make_plan
 from .rounding import TokenRounding
-from .stepwise import _weight_grads
+from .stepwise import _in_weight_dtype, _weight_grads
 from .wgrad import DeferredWeightGrad
 
 
@@ -127,7 +127,7 @@ class _EPExperts(torch.autograd.Function):
         ds_send = torch.empty(sum(map(sum, plan.send_pairs)), dtype=ct, device=grad_TD.device)
         pend_back, keep = Pending(eager), []
         want_w = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
-        dw1 = dw2 = None
+        dws = None
         for i in range(S):
             pend_dO[i].wait()
             pend_x[i].wait()
@@ -142,10 +142,9 @@ class _EPExperts(torch.autograd.Function):
             keep.append((dx, ds))
             if want_w:  # runs while stage i's dX / dS all-to-alls are in flight
                 with record_function(f"ep.bwd.weights[{i}]"), ops.reserve_sms(free_weights):
-                    dw1, dw2 = _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, ctx.wgrad, dw1, dw2)
+                    dws = _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, ctx.wgrad, dws, S)
         pend_back.wait()
-        if dw1 is not None:
-            dw1, dw2 = dw1.to(w1.dtype), dw2.to(w2.dtype)
+        dw1, dw2 = _in_weight_dtype(dws, w1, w2)
         with record_function("ep.bwd.combine_sum"):
             dx_TD = X.sum_rows_per_token(plan, dx_send) if ctx.needs_input_grad[0] else None
         ds_R = None

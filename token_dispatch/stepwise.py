@@ -83,16 +83,15 @@ class _LocalExperts(torch.autograd.Function):
         dy_UD = dy_UD.contiguous()
         dxs, dss = [], []
         want_w = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
-        dw1 = dw2 = None
+        dws = None
         for i in range(plan.num_stages):
             dO, x, meta = X.recv_rows(plan, dy_UD, i), X.recv_rows(plan, x_UD, i), plan.recv_meta[i]
             dx, ds, (ap, dH) = ops.backward_data(dO, x, hs[i], X.recv_pairs(plan, s_Q, i), w1, w2, meta, ctx.activation)
             dxs.append(dx)
             dss.append(ds)
             if want_w:
-                dw1, dw2 = _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, ctx.wgrad, dw1, dw2)
-        if dw1 is not None:
-            dw1, dw2 = dw1.to(w1.dtype), dw2.to(w2.dtype)
+                dws = _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, ctx.wgrad, dws, plan.num_stages)
+        dw1, dw2 = _in_weight_dtype(dws, w1, w2)
         dx_UD = _in_buffer_order(dxs, plan.recv_row_range)
         ds_Q = _in_buffer_order(dss, plan.recv_pair_range).to(s_Q.dtype)
         return dx_UD, ds_Q, dw1, dw2, None, None, None, None
@@ -110,17 +109,26 @@ def _in_buffer_order(per_stage: list[torch.Tensor], stage_range) -> torch.Tensor
     return out
 
 
-def _weight_grads(ops, dO, x, ap, dH, meta: RoutingMetadata, w1, w2, wgrad: DeferredWeightGrad | None, dw1, dw2):
-    """Run (or defer) one chunk's dW GEMMs and add them to the running (dw1, dw2)."""
+def _weight_grads(ops, dO, x, ap, dH, meta: RoutingMetadata, w1, w2, wgrad: DeferredWeightGrad | None, acc, stages):
+    """Run (or defer) one stage's dW GEMMs. With one stage: returns its (dW1, dW2). With more: adds them
+    into fp32 accumulators (``acc``, created at the first stage: zeros) inside the GEMMs and returns those;
+    the caller rounds once at the end."""
     if wgrad is not None:
-        wgrad.record(lambda: ops.backward_weights(dO, x, ap, dH, meta), w1, w2)
+        wgrad.record(lambda out=None: ops.backward_weights(dO, x, ap, dH, meta, out=out), w1, w2)
+        return None
+    if stages == 1:
+        return ops.backward_weights(dO, x, ap, dH, meta)
+    if acc is None:
+        ct = torch.promote_types(w1.dtype, torch.float32)
+        acc = (torch.zeros(w1.shape, dtype=ct, device=w1.device), torch.zeros(w2.shape, dtype=ct, device=w2.device))
+    return ops.backward_weights(dO, x, ap, dH, meta, out=acc)
+
+
+def _in_weight_dtype(dws, w1, w2):
+    """(dW1, dW2) in the weights' dtype (one rounding of the fp32 stage sums), or (None, None)."""
+    if dws is None:
         return None, None
-    g1, g2 = ops.backward_weights(dO, x, ap, dH, meta)
-    if dw1 is None:
-        return g1, g2
-    # Chunks' partial sums add in fp32 (then one rounding in the caller), not in bf16.
-    ct = torch.promote_types(g1.dtype, torch.float32)
-    return dw1.to(ct).add_(g1), dw2.to(ct).add_(g2)
+    return dws[0].to(w1.dtype), dws[1].to(w2.dtype)
 
 
 class _Combine(torch.autograd.Function):

@@ -20,6 +20,18 @@ def accumulate_weight_grad(w: torch.Tensor, g: torch.Tensor, use_main_grad: bool
         w.grad.add_(g.to(w.grad.dtype))
 
 
+def fusable_main_grads(params) -> tuple[torch.Tensor, ...] | None:
+    """The params' ``main_grad`` buffers when every param requires grad and has a contiguous ``main_grad`` of
+    its shape (then ``backward_weights(..., out=...)`` can add into them directly); else None."""
+    mains = []
+    for p in params:
+        m = getattr(p, "main_grad", None)
+        if not p.requires_grad or m is None or m.shape != p.shape or not m.is_contiguous():
+            return None
+        mains.append(m)
+    return tuple(mains)
+
+
 class DeferredWeightGrad:
     """Collects the expert weight-gradient GEMMs of backward passes instead of running them.
 
@@ -27,15 +39,17 @@ class DeferredWeightGrad:
     returns no gradient for w1/w2 and records a closure over the tensors the GEMMs need (received X rows,
     received dO rows, A', dH and the metadata; these stay alive until ``compute()``). ``compute()`` runs
     every recorded GEMM in order and accumulates into ``w.main_grad`` when the weight has one (setting
-    ``w.grad_added_to_main_grad = True``, Megatron's fused-accumulation convention), else into ``w.grad``.
+    ``w.grad_added_to_main_grad = True``, Megatron's fused-accumulation convention; when both weights have one,
+    the GEMMs add into them directly: ``fn(out=main_grads)``), else into ``w.grad``.
     The weights must be leaf tensors (parameters).
     """
 
     def __init__(self) -> None:
-        self._pending: list[tuple[Callable[[], tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]] = []
+        self._pending: list[tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]] = []
 
-    def record(self, fn: Callable[[], tuple[torch.Tensor, torch.Tensor]], w1: torch.Tensor, w2: torch.Tensor) -> None:
-        """Record ``fn() -> (dw1, dw2)`` to accumulate into ``w1`` / ``w2`` later."""
+    def record(self, fn: Callable[..., tuple[torch.Tensor, torch.Tensor]], w1: torch.Tensor, w2: torch.Tensor) -> None:
+        """Record ``fn() -> (dw1, dw2)`` to accumulate into ``w1`` / ``w2`` later; ``fn(out=(acc1, acc2))``
+        must add them into those buffers instead (``backward_weights``' contract)."""
         self._pending.append((fn, w1, w2))
 
     @property
@@ -47,6 +61,11 @@ class DeferredWeightGrad:
         """Run the recorded weight-gradient GEMMs and accumulate them (then forget them)."""
         pending, self._pending = self._pending, []
         for fn, w1, w2 in pending:
+            mains = fusable_main_grads((w1, w2))
+            if mains is not None:  # the GEMMs add straight into the fp32 main_grads
+                fn(out=mains)
+                w1.grad_added_to_main_grad = w2.grad_added_to_main_grad = True
+                continue
             dw1, dw2 = fn()
             for w, g in ((w1, dw1), (w2, dw2)):
                 if w.requires_grad:

@@ -27,6 +27,7 @@ from quack import gemm_interface as qgemm
 
 from ..activations import GATED_ACTIVATIONS
 from ..routing import RoutingMetadata
+from ..torch_backend import check_weight_grad_out
 from ..triton import compute_metadata_triton, gather_sum
 from .configs import heuristic_config, policy
 from .sm_budget import install as _install_sm_budget
@@ -42,6 +43,7 @@ compute_metadata = compute_metadata_triton
 __all__ = ["backward_data", "backward_weights", "compute_metadata", "forward", "reserve_sms"]
 
 DTYPES = (torch.bfloat16, torch.float16)
+ACC_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # weight-gradient accumulators (TMA reduce-add)
 ALIGN = 8  # elements: QuACK's TMA/cp.async need 16-byte aligned rows (8 x 16-bit)
 MAX_EXPERTS = 65535  # SonicMoE's metadata limit; one varlen batch per expert
 _QUACK_ACT = {"swiglu": "swiglu", "geglu": "geglu"}
@@ -83,8 +85,21 @@ def _check_rows(meta: RoutingMetadata) -> None:
 
 
 def _gemm(
-    gemm: str, F: int, D: int, A, B, out, *, cu_seqlens_m=None, cu_seqlens_k=None, A_idx=None, concat_layout=None
+    gemm: str,
+    F: int,
+    D: int,
+    A,
+    B,
+    out,
+    *,
+    cu_seqlens_m=None,
+    cu_seqlens_k=None,
+    A_idx=None,
+    concat_layout=None,
+    add_to_output: bool = False,
 ):
+    """out = A @ B, or out += A @ B with ``add_to_output`` (QuACK's TMA reduce-add store: each element is
+    added once by the one tile that owns it, so the result is deterministic; not with varlen-M)."""
     pol = policy()
     if pol == "heuristic":
         qgemm.gemm_tuned.fn(
@@ -94,8 +109,21 @@ def _gemm(
             cu_seqlens_m=cu_seqlens_m,
             cu_seqlens_k=cu_seqlens_k,
             A_idx=A_idx,
+            add_to_output=add_to_output,
             dynamic_scheduler=False,
             config=heuristic_config(gemm, F, D),
+            concat_layout=concat_layout,
+        )
+    elif add_to_output:
+        qgemm.gemm_add_inplace(
+            A,
+            B,
+            out,
+            cu_seqlens_m=cu_seqlens_m,
+            cu_seqlens_k=cu_seqlens_k,
+            A_idx=A_idx,
+            dynamic_scheduler=False,
+            tuned=pol == "autotune",
             concat_layout=concat_layout,
         )
     else:
@@ -265,17 +293,38 @@ def backward_weights(
     aprime_RF: torch.Tensor,
     dH_RG: torch.Tensor,
     meta: RoutingMetadata,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dW1 [E, 2F, D] in ``[gate ; up]`` row order, dW2 [E, D, F]); zeros for experts without rows."""
+    """(dW1 [E, 2F, D] in ``[gate ; up]`` row order, dW2 [E, D, F]); zeros for experts without rows.
+    ``out=(dW1_acc, dW2_acc)`` (contiguous, fp32/bf16/fp16): the GEMMs ADD into them in their epilogue (no
+    separate add kernel, no temporary dW) and they are returned."""
     E = meta.num_experts
     T, D = x_TD.shape
     F = aprime_RF.shape[1]
     dev, dt = x_TD.device, x_TD.dtype
+    if out is not None:
+        check_weight_grad_out(out, ((E, 2 * F, D), (E, D, F)), dev, ACC_DTYPES)
     if meta.num_rows == 0 or T == 0:
+        if out is not None:
+            return out[0], out[1]
         return torch.zeros(E, 2 * F, D, dtype=dt, device=dev), torch.zeros(E, D, F, dtype=dt, device=dev)
-    dw2_EDF = torch.empty(E, D, F, dtype=dt, device=dev)
-    _gemm("dw2", F, D, dO_TD.t(), aprime_RF, dw2_EDF, cu_seqlens_k=meta.expert_offsets, A_idx=meta.x_gather_idx)
-    dw1_EGD = torch.empty(E, 2 * F, D, dtype=dt, device=dev)
+    add = out is not None
+    if add:
+        dw1_EGD, dw2_EDF = out
+    else:
+        dw1_EGD = torch.empty(E, 2 * F, D, dtype=dt, device=dev)
+        dw2_EDF = torch.empty(E, D, F, dtype=dt, device=dev)
+    _gemm(
+        "dw2",
+        F,
+        D,
+        dO_TD.t(),
+        aprime_RF,
+        dw2_EDF,
+        cu_seqlens_k=meta.expert_offsets,
+        A_idx=meta.x_gather_idx,
+        add_to_output=add,
+    )
     # out (L, M=D, N=2F) is a transposed view of dw1_EGD; "out" in concat_layout writes the interleaved
     # gate/up columns of dH back as [gate ; up] rows.
     _gemm(
@@ -288,5 +337,6 @@ def backward_weights(
         cu_seqlens_k=meta.expert_offsets,
         A_idx=meta.x_gather_idx,
         concat_layout=("out",),
+        add_to_output=add,
     )
     return dw1_EGD, dw2_EDF
