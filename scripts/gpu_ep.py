@@ -9,7 +9,8 @@ $OUT/gpu_ep_summary.json and the next step still runs. The whole pass stays unde
 Env: OUT, TOTAL_S, CACHE (QuACK/Triton compile caches, as scripts/gpu_experts.sh), EP_BACKEND (default: cute
 if importable, else torch), EP_CHUNKS (bench layer schedules at EP 4, default 1,2,4,1s,2s; ``Ns`` = by source),
 EP_COMM_SMS (default 0,16,32), EP_BIG_TOKENS (a second, GPU-bound size at EP 4, default 65536; empty: skip),
-EP_BIG_CHUNKS (its schedules, default 1,2,1s), EP_AB_SEND=1 (also time EP 4 with SONIC_MEGATRON_EP_SEND=torch).
+EP_BIG_CHUNKS (its schedules, default 1,2,1s), EP_AB_SEND=1 (also time EP 4 with SONIC_MEGATRON_EP_SEND=torch),
+EP_LAYER_EP2=0 (skip bench layer at EP 2).
 EP_CHECK_CPU=1 runs the check worker on CPU/gloo at tiny sizes (to test this script:
 ``EP_CHECK_CPU=1 torchrun --nproc_per_node 2 scripts/gpu_ep.py check --out /tmp``).
 
@@ -106,11 +107,14 @@ def drive() -> int:
         ("check_ep4", torchrun(4, __file__, "check", "--out", out), 110),
         ("bench_dispatch_ep4", torchrun(4, *bench, "dispatch", *config, "--json", f"{out}/dispatch_ep4.json"), 60),
         ("bench_layer_ep4", torchrun(4, *layer, *config, "--chunks", chunks, "--json", f"{out}/layer_ep4.json"), 150),
-        ("bench_layer_ep2", torchrun(2, *layer, *config, "--chunks", "1,1s", "--json", f"{out}/layer_ep2.json"), 90),
     ]
+    if os.environ.get("EP_LAYER_EP2", "1") == "1":
+        steps.append(
+            ("bench_layer_ep2", torchrun(2, *layer, *config, "--chunks", "1,1s", "--json", f"{out}/layer_ep2.json"), 90)
+        )
     if ab_send:
         torch_send = ["env", "SONIC_MEGATRON_EP_SEND=torch", *torchrun(4, *layer, *config, "--chunks", chunks)]
-        torch_send += ["--json", f"{out}/layer_ep4_torch_send.json"]
+        torch_send += ["--no-baseline", "--json", f"{out}/layer_ep4_torch_send.json"]
         steps.insert(4, ("bench_layer_ep4_torch_send", torch_send, 150))
     if big:
         big_config = [big if v == CONFIG[1] else v for v in config]
@@ -118,7 +122,7 @@ def drive() -> int:
             (
                 f"bench_layer_ep4_T{big}",
                 torchrun(4, *layer, *big_config, "--chunks", big_chunks, "--no-baseline", "--json", f"{out}/big.json"),
-                120,
+                180,
             )
         )
     for name, cmd, limit in steps:

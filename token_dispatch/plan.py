@@ -15,7 +15,8 @@ straight from the receive buffer (no second permutation).
 Order of ``make_plan`` -- the host sync drains the GPU queue, so as little as possible comes after it:
   1. before the sync, on the device: validation header, send layout and everything of the send side that
      needs no host size, sized by R (>= S send rows) and sliced after the sync: send rows' tokens, pair
-     metadata + score bits, combine order and offsets (``_send_side``).
+     metadata + score bits, combine order and offsets (``_send_side``; for top-K routing on CUDA the Triton
+     kernels of ``kernels/triton/ep_send.py``, same results in a few launches).
   2. no rounding: ONE all-gather of [18 + 2 * 16 * P] int64 (header + per-(chunk, destination) row and
      pair counts, sized for up to MAX_CHUNKS = 16 chunks so that every rank sends the same size even when
      their inputs disagree) and ONE host copy of it (split sizes must be host ints for all_to_all_single;
@@ -32,6 +33,7 @@ Order of ``make_plan`` -- the host sync drains the GPU queue, so as little as po
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -277,6 +279,27 @@ def _send_side(tok_R, exp_R, scores_R, T, L, P, N) -> _SendSide:
     return _SendSide(order, send_token_idx_R, combine_order_R, combine_offsets, pair_meta_RC, rows_NP, pairs_NP)
 
 
+SEND_SIDE_IMPLS = ("triton", "torch")
+
+
+def _build_send_side(routing, tok_R, exp_R, scores_R, T, L, P, N) -> _SendSide:
+    """The send side of top-K routing on CUDA from the Triton kernels (``kernels/triton/ep_send.py``: a few
+    launches instead of ~40, bitwise the same results), else from ``_send_side``'s PyTorch ops (CPU, flat
+    routing, rounded routing). ``SONIC_MEGATRON_EP_SEND=torch`` forces the PyTorch ops (A/B benchmarks)."""
+    impl = os.environ.get("SONIC_MEGATRON_EP_SEND", "triton")
+    if impl not in SEND_SIDE_IMPLS:
+        raise ValueError(f"SONIC_MEGATRON_EP_SEND must be one of {SEND_SIDE_IMPLS}, got {impl!r}")
+    topk = isinstance(routing, TopKRouting) and routing.indices_TK.dim() == 2
+    if impl == "triton" and tok_R.is_cuda and topk and P <= 256:  # the kernels' limit on P (one tile of ranks)
+        try:
+            from ..kernels.triton import ep_send_side
+        except ImportError:  # no Triton: PyTorch's ops (same contract)
+            pass
+        else:
+            return _SendSide(*ep_send_side(routing.indices_TK, routing.scores_TK, T, L, P, N))
+    return _send_side(tok_R, exp_R, scores_R, T, L, P, N)
+
+
 def make_plan(
     routing: TopKRouting | FlatRouting,
     *,
@@ -359,7 +382,7 @@ def make_plan(
         return [side.rows_NP, pad, side.pairs_NP, pad]
 
     # Everything that needs no host size is launched before the sync: the send side (sized by R).
-    side = _send_side(tok_R, exp_R, scores_R, T, L, P, N) if error is None and rounding is None else None
+    side = _build_send_side(routing, tok_R, exp_R, scores_R, T, L, P, N) if error is None and rounding is None else None
     # The one host sync of the plan without rounding: header + split sizes (the header check rides along).
     gathered_dev = all_gather(torch.cat([*hdr, *counts_slot(side)]), group)
     gathered = gathered_dev.tolist()
