@@ -114,20 +114,8 @@ def _gemm(
             config=heuristic_config(gemm, F, D),
             concat_layout=concat_layout,
         )
-    elif add_to_output:
-        qgemm.gemm_add_inplace(
-            A,
-            B,
-            out,
-            cu_seqlens_m=cu_seqlens_m,
-            cu_seqlens_k=cu_seqlens_k,
-            A_idx=A_idx,
-            dynamic_scheduler=False,
-            tuned=pol == "autotune",
-            concat_layout=concat_layout,
-        )
     else:
-        qgemm.gemm(
+        (qgemm.gemm_add_inplace if add_to_output else qgemm.gemm)(
             A,
             B,
             out=out,

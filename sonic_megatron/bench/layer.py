@@ -465,18 +465,12 @@ def run(args) -> int:
         dist.destroy_process_group()
         return 0
     first = None
-    if args.profile:
-        for sched in sched_list:
+    for out_dir, profiler in ((args.profile, _profile), (args.host_profile, _host_profile)):
+        for sched in sched_list if out_dir else []:
             fn = ours(sched, True, max(sms_list))
             for _ in range(args.warmup):
                 fn()
-            _profile(fn, _label(sched), args.profile_steps, args.profile, rank, device)
-    if args.host_profile:
-        for sched in sched_list:
-            fn = ours(sched, True, max(sms_list))
-            for _ in range(args.warmup):
-                fn()
-            _host_profile(fn, _label(sched), args.profile_steps, args.host_profile, rank, device)
+            profiler(fn, _label(sched), args.profile_steps, out_dir, rank, device)
     t_a2a = {}
     for sched in sched_list:
         chunks, by_source = sched
