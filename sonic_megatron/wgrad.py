@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from .token_dispatch.wgrad import accumulate_weight_grad, fusable_main_grads
+from .token_dispatch.wgrad import accumulate_weight_grad, add_into_main_grads, fusable_main_grads
 
 
 class WeightGradSink:
@@ -80,14 +80,11 @@ class WeightGradSink:
             return
         if self.ep_deferred is not None:
             self.ep_deferred.compute()
-        mains = fusable_main_grads(self.params) if self.fuse_main_grad else None
         while self._pending:
-            if mains is not None:
-                self._pending.popleft()(out=mains)
-                for p in self.params:
-                    p.grad_added_to_main_grad = True
+            compute = self._pending.popleft()
+            if self.fuse_main_grad and add_into_main_grads(compute, self.params):
                 continue
-            grads = self._pending.popleft()()
+            grads = compute()
             for p, g in zip(self.params, grads, strict=True):
                 accumulate_weight_grad(p, g, use_main_grad=self.fuse_main_grad)
         for hook in self._hooks:

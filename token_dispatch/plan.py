@@ -290,13 +290,14 @@ def _build_send_side(routing, tok_R, exp_R, scores_R, T, L, P, N) -> _SendSide:
     if impl not in SEND_SIDE_IMPLS:
         raise ValueError(f"SONIC_MEGATRON_EP_SEND must be one of {SEND_SIDE_IMPLS}, got {impl!r}")
     topk = isinstance(routing, TopKRouting) and routing.indices_TK.dim() == 2
-    if impl == "triton" and tok_R.is_cuda and topk and P <= 256:  # the kernels' limit on P (one tile of ranks)
+    if impl == "triton" and tok_R.is_cuda and topk:
         try:
-            from ..kernels.triton import ep_send_side
+            from ..kernels.triton.ep_send import MAX_RANKS, ep_send_side
         except ImportError:  # no Triton: PyTorch's ops (same contract)
             pass
         else:
-            return _SendSide(*ep_send_side(routing.indices_TK, routing.scores_TK, T, L, P, N))
+            if P <= MAX_RANKS:  # the kernels keep one tile of destination flags per token
+                return _SendSide(*ep_send_side(routing.indices_TK, routing.scores_TK, T, L, P, N))
     return _send_side(tok_R, exp_R, scores_R, T, L, P, N)
 
 

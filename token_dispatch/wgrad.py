@@ -32,6 +32,19 @@ def fusable_main_grads(params) -> tuple[torch.Tensor, ...] | None:
     return tuple(mains)
 
 
+def add_into_main_grads(fn, params) -> bool:
+    """When ``fusable_main_grads(params)``: ``fn(out=main_grads)`` adds the gradients there (inside the GEMMs)
+    and every param gets ``grad_added_to_main_grad = True`` (as ``accumulate_weight_grad`` sets it); True.
+    Otherwise nothing runs and the caller accumulates ``fn()``'s result itself; False."""
+    mains = fusable_main_grads(params)
+    if mains is None:
+        return False
+    fn(out=mains)
+    for p in params:
+        p.grad_added_to_main_grad = True
+    return True
+
+
 class DeferredWeightGrad:
     """Collects the expert weight-gradient GEMMs of backward passes instead of running them.
 
@@ -61,10 +74,7 @@ class DeferredWeightGrad:
         """Run the recorded weight-gradient GEMMs and accumulate them (then forget them)."""
         pending, self._pending = self._pending, []
         for fn, w1, w2 in pending:
-            mains = fusable_main_grads((w1, w2))
-            if mains is not None:  # the GEMMs add straight into the fp32 main_grads
-                fn(out=mains)
-                w1.grad_added_to_main_grad = w2.grad_added_to_main_grad = True
+            if add_into_main_grads(fn, (w1, w2)):  # the GEMMs add straight into the fp32 main_grads
                 continue
             dw1, dw2 = fn()
             for w, g in ((w1, dw1), (w2, dw2)):
