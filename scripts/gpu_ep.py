@@ -10,7 +10,8 @@ Env: OUT, TOTAL_S, CACHE (QuACK/Triton compile caches, as scripts/gpu_experts.sh
 if importable, else torch), EP_CHUNKS (bench layer schedules at EP 4, default 1,2,4,1s,2s; ``Ns`` = by source),
 EP_COMM_SMS (default 0,16,32), EP_BIG_TOKENS (a second, GPU-bound size at EP 4, default 65536; empty: skip),
 EP_BIG_CHUNKS (its schedules, default 1,2,1s), EP_AB_SEND=1 (also time EP 4 with SONIC_MEGATRON_EP_SEND=torch),
-EP_LAYER_EP2=0 (skip bench layer at EP 2).
+EP_LAYER_EP2=0 (skip bench layer at EP 2), EP_PROFILE=DIR (bench layer at EP 4 also runs --profile DIR; the
+tables, with the all-to-all time under compute kernels, are copied to $OUT, the Chrome traces stay in DIR).
 EP_CHECK_CPU=1 runs the check worker on CPU/gloo at tiny sizes (to test this script:
 ``EP_CHECK_CPU=1 torchrun --nproc_per_node 2 scripts/gpu_ep.py check --out /tmp``).
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -102,11 +104,14 @@ def drive() -> int:
     big_chunks = os.environ.get("EP_BIG_CHUNKS", "1,2,1s")
     ab_send = os.environ.get("EP_AB_SEND") == "1"  # also time EP 4 with the PyTorch send side (A/B)
     layer = [*bench, "layer", "--backend", backend, "--comm-sms", comm_sms]
+    profile = os.environ.get("EP_PROFILE")
+    layer_ep4 = [*layer, *config, "--chunks", chunks, "--json", f"{out}/layer_ep4.json"]
+    layer_ep4 += ["--profile", profile] if profile else []
     steps = [
         ("check_ep2", torchrun(2, __file__, "check", "--out", out), 110),
         ("check_ep4", torchrun(4, __file__, "check", "--out", out), 110),
         ("bench_dispatch_ep4", torchrun(4, *bench, "dispatch", *config, "--json", f"{out}/dispatch_ep4.json"), 60),
-        ("bench_layer_ep4", torchrun(4, *layer, *config, "--chunks", chunks, "--json", f"{out}/layer_ep4.json"), 150),
+        ("bench_layer_ep4", torchrun(4, *layer_ep4), 150),
     ]
     if os.environ.get("EP_LAYER_EP2", "1") == "1":
         steps.append(
@@ -131,6 +136,10 @@ def drive() -> int:
             summary[name] = {"status": "skipped (time budget spent)"}
             continue
         _step(name, cmd, min(limit, left - 5), out, summary)
+    if profile and os.path.isdir(profile):  # the tables only (traces are large)
+        for name in sorted(os.listdir(profile)):
+            if name.endswith(".txt"):
+                shutil.copy(os.path.join(profile, name), os.path.join(out, f"ep4_{name}"))
     summary["total_seconds"] = round(time.time() - t0, 1)
     with open(os.path.join(out, "gpu_ep_summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

@@ -153,6 +153,7 @@ def main() -> None:
     ap.add_argument("--profile-calls", type=int, default=10)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     T, d, n, E, K = B._parse(args.config)
     import sonic_megatron.kernels.cute  # noqa: F401
 

@@ -13,6 +13,11 @@ TFLOPS follow SonicMoE's convention: forward 6TKdn, backward 12TKdn (backward ti
 with ``triton.testing.do_bench`` (median) in ``--rounds`` rounds: each round times every provider once, the
 order rotating from round to round, and the table shows each provider's median over the rounds (the JSON keeps
 every round, and ``vs_sonic_rounds``: per round, sonic-moe's fwd+bwd time over this provider's).
+``--interleaved N`` adds N cycles in which the providers' fwd+bwd calls alternate one by one (order rotating per
+cycle; each call after an L2 flush and between CUDA events, as do_bench times it): all providers then share the
+same clock and power conditions, which drift by several per cent under the H100's power cap between the rounds'
+300 ms bursts. ``vs_sonic_paired`` is the median over cycles of sonic-moe's call time over this provider's in the
+same cycle (``fwdbwd_ms_interleaved``: the provider's median call).
 ``act_MiB``: memory still allocated after the forward, minus the output (inputs and weights existed before):
 what the autograd graph retains. ``bound_MiB``: the target 2Td + 4TKn + metadata (20TK + 2TE bytes) + 5 %.
 ``first_s``: the first fwd+bwd call in this process for the config (compilation, autotuning, caches).
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -59,6 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="timing rounds per config: every round times each provider once, the order rotating between "
         "rounds; medians over rounds are reported (default 3)",
+    )
+    parser.add_argument(
+        "--interleaved",
+        type=int,
+        default=0,
+        help="also time N cycles of alternating single fwd+bwd calls, one per provider per cycle (same clock and "
+        "power conditions for all; reported as fwdbwd_ms_interleaved and vs_sonic_paired); default 0 = off",
     )
 
 
@@ -198,8 +211,6 @@ def _measure_config(names, providers, flops_fwd, args) -> dict[str, dict]:
     """Per provider: first-call seconds, activation memory, then ``args.rounds`` rounds of do_bench (fwd and
     fwd+bwd), each round timing every provider once in a rotated order (so drift of clocks or temperature
     during the run does not favour the provider that always goes first); medians over rounds."""
-    import statistics
-
     from triton.testing import do_bench
 
     ready, out = {}, {}
@@ -225,7 +236,36 @@ def _measure_config(names, providers, flops_fwd, args) -> dict[str, dict]:
         row.update(
             _timing_row(statistics.median(row["fwd_rounds"]), statistics.median(row["fwdbwd_rounds"]), flops_fwd)
         )
+    if args.interleaved > 0 and order:
+        calls = _interleaved_calls({name: ready[name][1] for name in order}, args.interleaved)
+        for name in order:
+            out[name]["fwdbwd_interleaved"] = calls[name]
+            out[name]["fwdbwd_ms_interleaved"] = statistics.median(calls[name])
     return out
+
+
+def _interleaved_calls(fns: dict, cycles: int) -> dict[str, list[float]]:
+    """Per provider, ``cycles`` single-call times (ms): each cycle calls every provider once (order rotating),
+    each call after do_bench's L2 flush and between CUDA events; one host sync at the end."""
+    from triton import runtime
+
+    driver = runtime.driver.active
+    cache = driver.get_empty_cache_for_benchmark()
+    flush = getattr(driver, "clear_cache", lambda buf: buf.zero_())  # older Triton: do_bench zeroes the buffer
+    names = list(fns)
+    for name in names:  # warm
+        fns[name]()
+    events = {name: [] for name in names}
+    for c in range(cycles):
+        for name in names[c % len(names) :] + names[: c % len(names)]:
+            flush(cache)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fns[name]()
+            b.record()
+            events[name].append((a, b))
+    torch.cuda.synchronize()
+    return {name: [a.elapsed_time(b) for a, b in ev] for name, ev in events.items()}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -269,6 +309,9 @@ def run(args: argparse.Namespace) -> int:
                 r["fwd_vs_sonic"] = r["fwd_TF"] / sonic["fwd_TF"]
                 # per round (same round = close in time): sonic's time / ours
                 r["vs_sonic_rounds"] = [a / b for a, b in zip(sonic["fwdbwd_rounds"], r["fwdbwd_rounds"], strict=True)]
+                if "fwdbwd_interleaved" in r:  # same cycle = the same clock and power conditions
+                    pairs = zip(sonic["fwdbwd_interleaved"], r["fwdbwd_interleaved"], strict=True)
+                    r["vs_sonic_paired"] = statistics.median(a / b for a, b in pairs)
         rows.extend(cfg_rows)
         del providers, ref_out
         torch.cuda.empty_cache()
@@ -280,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 COLUMNS = ["config", "provider", "fwd_ms", "fwd_TF", "bwd_TF", "fwdbwd_ms", "fwdbwd_TF", "vs_sonic"]
-COLUMNS += ["act_MiB", "bound_MiB", "first_s", "rel_err", "error"]
+COLUMNS += ["fwdbwd_ms_interleaved", "vs_sonic_paired", "act_MiB", "bound_MiB", "first_s", "rel_err", "error"]
 
 
 def _payload(rows: list[dict]) -> dict:
