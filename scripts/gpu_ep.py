@@ -10,8 +10,8 @@ Env: OUT, TOTAL_S, CACHE (QuACK/Triton compile caches, as scripts/gpu_experts.sh
 if importable, else torch), EP_CHUNKS (bench layer schedules at EP 4, default 1,2,4,1s,2s; ``Ns`` = by source),
 EP_COMM_SMS (default 0,16,32), EP_BIG_TOKENS (a second, GPU-bound size at EP 4, default 65536; empty: skip),
 EP_BIG_CHUNKS (its schedules, default 1,2,1s), EP_AB_SEND=1 (also time EP 4 with SONIC_MEGATRON_EP_SEND=torch),
-EP_LAYER_EP2=0 (skip bench layer at EP 2), EP_PROFILE=DIR (bench layer at EP 4 also runs --profile DIR; the
-tables, with the all-to-all time under compute kernels, are copied to $OUT, the Chrome traces stay in DIR).
+EP_LAYER_EP2=0 (skip bench layer at EP 2), EP_PROFILE=DIR (bench layer at EP 4, both sizes, also runs --profile
+under DIR; the tables, with the all-to-all time under compute kernels, are copied to $OUT, the traces stay in DIR).
 EP_CHECK_CPU=1 runs the check worker on CPU/gloo at tiny sizes (to test this script:
 ``EP_CHECK_CPU=1 torchrun --nproc_per_node 2 scripts/gpu_ep.py check --out /tmp``).
 
@@ -126,7 +126,8 @@ def drive() -> int:
         steps.append(
             (
                 f"bench_layer_ep4_T{big}",
-                torchrun(4, *layer, *big_config, "--chunks", big_chunks, "--no-baseline", "--json", f"{out}/big.json"),
+                torchrun(4, *layer, *big_config, "--chunks", big_chunks, "--no-baseline", "--json", f"{out}/big.json")
+                + (["--profile", os.path.join(profile, f"T{big}")] if profile else []),
                 180,
             )
         )
@@ -136,10 +137,10 @@ def drive() -> int:
             summary[name] = {"status": "skipped (time budget spent)"}
             continue
         _step(name, cmd, min(limit, left - 5), out, summary)
-    if profile and os.path.isdir(profile):  # the tables only (traces are large)
-        for name in sorted(os.listdir(profile)):
-            if name.endswith(".txt"):
-                shutil.copy(os.path.join(profile, name), os.path.join(out, f"ep4_{name}"))
+    for folder, _, files in os.walk(profile) if profile else []:  # the tables only (traces are large)
+        for name in sorted(f for f in files if f.endswith(".txt")):
+            tag = os.path.relpath(folder, profile).replace(os.sep, "_").replace(".", "T16384")
+            shutil.copy(os.path.join(folder, name), os.path.join(out, f"ep4_{tag}_{name}"))
     summary["total_seconds"] = round(time.time() - t0, 1)
     with open(os.path.join(out, "gpu_ep_summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
