@@ -12,8 +12,11 @@ export CACHE=$PWD/.cutecache QUACK_CACHE_AUTOTUNING=1
 export QUACK_CACHE_DIR=$CACHE/quack TRITON_CACHE_DIR=$CACHE/triton
 mkdir -p "$QUACK_CACHE_DIR" "$TRITON_CACHE_DIR"
 if [ -f "$CACHE/cutecache.tgz" ]; then tar -xzf "$CACHE/cutecache.tgz" -C "$CACHE" && rm "$CACHE/cutecache.tgz"; fi
-OUT=$work "$@" 2>&1 | tee "$work/$name-driver.log"
-rc=${PIPESTATUS[0]}
+# Into a file, not through a pipe: a background process the command leaves running (nvidia-smi -l ...) would
+# keep a pipe open and hang the pass until the device call's time limit (it did once).
+OUT=$work "$@" > "$work/$name-driver.log" 2>&1
+rc=$?
+tail -c 11000 "$work/$name-driver.log"
 tar -czf "$final/$name-results.tgz" -C "$work" .
 cp "$work"/*summary*.json "$final/" 2>/dev/null
 tar -czf /tmp/cutecache.tgz -C "$CACHE" quack triton 2>/dev/null \
