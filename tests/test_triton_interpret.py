@@ -87,6 +87,22 @@ def test_metadata_matches_torch(case):
         assert torch.equal(a.cpu(), b.cpu()), name
 
 
+@pytest.mark.parametrize("params", [(64, 256, 8), (128, 128, 16)])
+def test_metadata_launch_parameters_do_not_change_results(params, monkeypatch):
+    """Other tile sizes of the rank kernel and blockings of the tile scan (the sweep's alternatives): same results."""
+    compute_metadata_triton, _ = _kernels()
+    from sonic_megatron.kernels.triton import metadata as M
+
+    monkeypatch.setattr(M, "TILE_BLOCK", params[0])
+    monkeypatch.setattr(M, "SCAN_BLOCK_T", params[1])
+    monkeypatch.setattr(M, "SCAN_BLOCK_E", params[2])
+    routing, E = CASES["many_tiles"](torch.Generator().manual_seed(3))
+    tok, ex, _, off = flatten_routing(_to(routing, DEVICE))
+    got, want = compute_metadata_triton(tok, ex, off, E), compute_metadata_torch(tok, ex, off, E)
+    for a, b in zip(got.tensors(), want.tensors(), strict=True):
+        assert torch.equal(a.cpu(), b.cpu())
+
+
 @pytest.mark.parametrize("case", ["topk_ragged", "empty_experts", "no_tokens", "flat_variable_k"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("weighted", [True, False])

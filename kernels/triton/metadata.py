@@ -24,6 +24,9 @@ import triton.language as tl
 from ..routing import RoutingMetadata
 
 _CHUNK = 16  # pairs compared against the whole tile per step (bounds the [CHUNK, BLOCK] compare in registers)
+# Launch parameters (results do not depend on them; scripts/gpu_metadata_sweep.py times the alternatives):
+TILE_BLOCK = 256  # pairs per tile of the rank kernel (its work is R * TILE_BLOCK compares), grown for large E
+SCAN_BLOCK_T, SCAN_BLOCK_E = 64, 32  # the tile scan: tiles per step x experts per program
 
 
 @triton.jit
@@ -104,8 +107,8 @@ def _scatter_kernel(
 
 
 def _tile_size(R: int, E: int) -> int:
-    """Pairs per tile: 256, grown so the [tiles, E] count matrix stays under 2^24 entries for large E."""
-    block = 256
+    """Pairs per tile: TILE_BLOCK, grown so the [tiles, E] count matrix stays under 2^24 entries for large E."""
+    block = TILE_BLOCK
     while block < 4096 and triton.cdiv(R, block) * E > (1 << 24):
         block *= 2
     return block
@@ -135,8 +138,9 @@ def compute_metadata_triton(
     totals = torch.empty(E, **i32)
     if n_tiles:
         _tile_rank_kernel[(n_tiles,)](expert_idx_R, R, E, local_rank, tile_counts, BLOCK=block, CHUNK=_CHUNK)
-    block_e = 32
-    _tile_scan_kernel[(triton.cdiv(E, block_e),)](tile_counts, n_tiles, E, totals, BLOCK_T=64, BLOCK_E=block_e)
+    _tile_scan_kernel[(triton.cdiv(E, SCAN_BLOCK_E),)](
+        tile_counts, n_tiles, E, totals, BLOCK_T=SCAN_BLOCK_T, BLOCK_E=SCAN_BLOCK_E
+    )
     _expert_scan_kernel[(1,)](totals, E, expert_offsets, BLOCK_E=1024)
     if n_tiles:
         _scatter_kernel[(n_tiles,)](
