@@ -1,6 +1,7 @@
 """Launch parameters of the routing-metadata kernels (kernels/triton/metadata.py) on the benchmark shapes: GPU time
-of ``compute_metadata_triton`` per (TILE_BLOCK, SCAN_BLOCK_T, SCAN_BLOCK_E), results checked bitwise against the
-first combination. The kernels' outputs do not depend on these parameters; only their speed does.
+of ``compute_metadata_triton``'s kernels (torch.profiler; ``call_us`` is do_bench's time per call, host-bound at these
+sizes) per (TILE_BLOCK, SCAN_BLOCK_T, SCAN_BLOCK_E), results checked bitwise against the first combination. The
+kernels' outputs do not depend on these parameters; only their speed does.
 
     source .devbundle/setup.sh; python3 scripts/gpu_metadata_sweep.py [--json $OUT/metadata-sweep.json]
 """
@@ -12,10 +13,27 @@ import json
 
 import torch
 from sonic_megatron.kernels.triton import metadata as M
+from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 SHAPES = ((24576, 128, 8), (32768, 64, 8), (32768, 128, 8), (65536, 32, 8))  # (T, E, K)
 COMBOS = ((256, 64, 32), (128, 64, 32), (256, 256, 8), (128, 256, 8), (128, 128, 16), (64, 256, 8))
+
+
+def kernel_us(fn, calls: int = 20) -> dict:
+    """GPU time per call of each metadata kernel (torch.profiler), and their sum."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.key.startswith("_"):
+            out[e.key] = e.self_device_time_total / calls
+    out["kernels_us"] = sum(out.values())
+    return out
 
 
 def main() -> None:
@@ -39,8 +57,9 @@ def main() -> None:
             fields = (out.expert_offsets, out.x_gather_idx, out.s_scatter_idx, out.s_reverse_scatter_idx)
             same = ref is None or all(torch.equal(a, b) for a, b in zip(fields, ref, strict=True))
             ref = ref or fields
-            ms = do_bench(run, warmup=25, rep=200, return_mode="median")
-            rows.append(dict(T=T, E=E, K=K, tile_block=tb, scan_block_t=st, scan_block_e=se, us=ms * 1e3, same=same))
+            ms = do_bench(run, warmup=25, rep=200, return_mode="median")  # host-bound at these sizes
+            row = dict(T=T, E=E, K=K, tile_block=tb, scan_block_t=st, scan_block_e=se, call_us=ms * 1e3, same=same)
+            rows.append({**row, **kernel_us(run)})
             print(rows[-1], flush=True)
     if args.json:
         with open(args.json, "w") as f:

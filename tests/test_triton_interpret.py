@@ -107,6 +107,15 @@ def test_metadata_launch_parameters_do_not_change_results(params, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("weighted", [True, False])
 def test_gather_sum_vs_float64(case, dtype, weighted):
+    _check_gather_sum(case, dtype, weighted, D=72)  # not a power of two: masked D tail
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gather_sum_vs_float64_half_blocks(dtype):
+    _check_gather_sum("topk_ragged", dtype, True, D=1536)  # three 512-wide blocks instead of two masked 1024s
+
+
+def _check_gather_sum(case, dtype, weighted, D):
     """Error vs float64 at most 2x the torch backend's (same dtype) error plus an atol scaled to |out|."""
     _, gather_sum = _kernels()
     from sonic_megatron.kernels.torch_backend import gather_sum as gather_sum_torch
@@ -115,7 +124,6 @@ def test_gather_sum_vs_float64(case, dtype, weighted):
     routing, E = CASES[case](gen)
     tok, ex, scores, off = flatten_routing(_to(routing, DEVICE))
     meta = compute_metadata_torch(tok, ex, off, E)
-    D = 72  # not a power of two: masked D tail
     rows = torch.randn(meta.num_rows, D, generator=gen).to(DEVICE, dtype)
     w = scores if weighted else None
     out = gather_sum(rows, meta, w, pairs_per_token=2)

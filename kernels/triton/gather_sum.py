@@ -87,7 +87,11 @@ def gather_sum(
     if T == 0 or D == 0:
         return out_TD
     block_j = min(16, triton.next_power_of_2(max(1, pairs_per_token)))
-    block_d = min(triton.next_power_of_2(D), max(64, 8192 // block_j), 1024)
+    block_d, warps = min(triton.next_power_of_2(D), max(64, 8192 // block_j), 1024), 4
+    if D % block_d and block_d >= 1024 and D % (block_d // 2) == 0:
+        # e.g. D = 1536: three full 512-wide blocks instead of two 1024-wide ones with a quarter masked
+        # (H100, 24576 tokens x 8 rows: 0.246 vs 0.253 ms, docs/PERF.md 1e); 2 warps keep 16-byte loads.
+        block_d, warps = block_d // 2, 2
     grid = (T, triton.cdiv(D, block_d))
     w = weights_R.detach().contiguous() if weights_R is not None else rows_RD  # dummy pointer when unused
     _gather_sum_kernel[grid](
@@ -102,6 +106,6 @@ def gather_sum(
         HAS_W=weights_R is not None,
         BLOCK_J=block_j,
         BLOCK_D=block_d,
-        num_warps=4,
+        num_warps=warps,
     )
     return out_TD
