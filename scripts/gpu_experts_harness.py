@@ -5,10 +5,12 @@ energy per call (NVML), SM clock and power-cap share, and the kernel table of th
     source .devbundle/setup.sh
     python3 scripts/gpu_experts_harness.py --config 32768,2048,1024,64,8 --rounds 4 --out $OUT
 
-Each round times every provider (order alternating between rounds) in three loops of ``--rep`` ms each, all the
-way `triton.testing.do_bench` (triton 3.6) times a call: per iteration an L2 flush (zeroing 256 MB), a start event,
-the call, an end event, no host sync inside the loop. Loops: ``flush`` (exactly do_bench), ``noflush`` (same
-without the L2 flush), ``profiled`` (``flush`` under torch.profiler: per-kernel device time per call).
+Each round times every provider (order alternating between rounds) in two loops of ``--rep`` ms each, the way
+`triton.testing.do_bench` (triton 3.6) times a call: per iteration an L2 flush (zeroing 256 MB), a start event, the
+call, an end event, no host sync inside the loop. Loops: ``flush`` (exactly do_bench) and ``noflush`` (the same
+without the L2 flush); round 0 also runs ``--profile-calls`` iterations of ``flush`` under torch.profiler (per-kernel
+device time per call). NVML's energy counter updates coarsely: over a 300 ms loop its J/call can imply a mean power
+above the cap (seen on the H100), so read the clock and the cap share, not the energy.
 """
 
 from __future__ import annotations
