@@ -106,7 +106,8 @@ def drive() -> int:
     layer = [*bench, "layer", "--backend", backend, "--comm-sms", comm_sms]
     profile = os.environ.get("EP_PROFILE")
     layer_ep4 = [*layer, *config, "--chunks", chunks, "--json", f"{out}/layer_ep4.json"]
-    layer_ep4 += ["--profile", profile] if profile else []
+    tokens = config[config.index("--tokens") + 1]
+    layer_ep4 += ["--profile", os.path.join(profile, f"T{tokens}")] if profile else []
     steps = [
         ("check_ep2", torchrun(2, __file__, "check", "--out", out), 110),
         ("check_ep4", torchrun(4, __file__, "check", "--out", out), 110),
@@ -139,7 +140,7 @@ def drive() -> int:
         _step(name, cmd, min(limit, left - 5), out, summary)
     for folder, _, files in os.walk(profile) if profile else []:  # the tables only (traces are large)
         for name in sorted(f for f in files if f.endswith(".txt")):
-            tag = os.path.relpath(folder, profile).replace(os.sep, "_").replace(".", "T16384")
+            tag = os.path.relpath(folder, profile).replace(os.sep, "_")  # T<tokens per rank>
             shutil.copy(os.path.join(folder, name), os.path.join(out, f"ep4_{tag}_{name}"))
     summary["total_seconds"] = round(time.time() - t0, 1)
     with open(os.path.join(out, "gpu_ep_summary.json"), "w") as f:
