@@ -11,6 +11,7 @@ Weights use Megatron's convention, stacked over the local experts:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable
@@ -209,18 +210,19 @@ class MoEExpertsFunction(torch.autograd.Function):
     ``ops.forward(..., store_h=False)`` instead, as ``moe_experts`` does."""
 
     @staticmethod
-    def forward(ctx, x_TD, scores_R, w1_EGD, w2_EDF, ops, activation, weight_grad_hook, *meta_tensors):
-        meta = RoutingMetadata(*meta_tensors)
+    def forward(ctx, x_TD, scores_R, w1_EGD, w2_EDF, ops, activation, weight_grad_hook, pairs_per_token, *meta_tensors):
+        meta = RoutingMetadata(*meta_tensors, pairs_per_token=pairs_per_token)
         store_h = any(ctx.needs_input_grad[:4])  # inference keeps no H
         o_TD, h_RG = ops.forward(x_TD, scores_R, w1_EGD, w2_EDF, meta, activation, store_h=store_h)
         ctx.ops, ctx.activation, ctx.weight_grad_hook = ops, activation, weight_grad_hook
+        ctx.pairs_per_token = pairs_per_token
         ctx.save_for_backward(x_TD, h_RG, scores_R, w1_EGD, w2_EDF, *meta_tensors)
         return o_TD
 
     @staticmethod
     def backward(ctx, dO_TD):
         x_TD, h_RG, scores_R, w1_EGD, w2_EDF, *meta_tensors = ctx.saved_tensors
-        meta = RoutingMetadata(*meta_tensors)
+        meta = RoutingMetadata(*meta_tensors, pairs_per_token=ctx.pairs_per_token)
         ops = ctx.ops
         dO_TD = dO_TD.contiguous()
         dx_TD, dscores_R, (aprime_RF, dH_RG) = ops.backward_data(
@@ -236,7 +238,7 @@ class MoEExpertsFunction(torch.autograd.Function):
             dw1, dw2 = weight_grads() if hook is None else hook(weight_grads)
         dscores_R = dscores_R.to(scores_R.dtype) if ctx.needs_input_grad[1] else None
         dx_TD = dx_TD if ctx.needs_input_grad[0] else None
-        return (dx_TD, dscores_R, dw1, dw2, None, None, None) + (None,) * len(meta_tensors)
+        return (dx_TD, dscores_R, dw1, dw2, None, None, None, None) + (None,) * len(meta_tensors)
 
 
 def compute_metadata(
@@ -246,7 +248,10 @@ def compute_metadata(
     module may bring its own metadata kernels (``ops.compute_metadata``, same contract); else PyTorch's."""
     token_idx_R, expert_idx_R, scores_R, token_offsets = flatten_routing(routing)
     build = getattr(ops, "compute_metadata", compute_metadata_torch)
-    return scores_R, build(token_idx_R, expert_idx_R, token_offsets, num_experts)
+    meta = build(token_idx_R, expert_idx_R, token_offsets, num_experts)
+    if isinstance(routing, TopKRouting):
+        meta = dataclasses.replace(meta, pairs_per_token=routing.indices_TK.shape[1])
+    return scores_R, meta
 
 
 def moe_experts(
@@ -289,4 +294,5 @@ def moe_experts(
         # Inference: no autograd node and no H (SonicMoE stores only A). This must be decided here: inside
         # Function.forward grad mode is always off and ctx.needs_input_grad ignores torch.no_grad().
         return ops.forward(x_TD, scores_R, w1_EGD, w2_EDF, meta, activation, store_h=False)[0]
-    return MoEExpertsFunction.apply(x_TD, scores_R, w1_EGD, w2_EDF, ops, activation, weight_grad_hook, *meta.tensors())
+    args = (ops, activation, weight_grad_hook, meta.pairs_per_token)
+    return MoEExpertsFunction.apply(x_TD, scores_R, w1_EGD, w2_EDF, *args, *meta.tensors())

@@ -17,6 +17,7 @@ in ``token_offsets[t] : token_offsets[t+1]`` (CSR), and for top-K pair j is the 
     s_scatter_idx         [R]    expert-sorted row r is flat pair s_scatter_idx[r] (index into scores)
     s_reverse_scatter_idx [R]    inverse: flat pair j is expert-sorted row s_reverse_scatter_idx[j]
     token_offsets         [T+1]  CSR offsets of each token's flat pairs
+    pairs_per_token       int    K for top-K routing (every token has K pairs), 0 for flat routing
 Rows of one expert are ordered by ascending flat pair index, i.e. by token (a stable sort).
 """
 
@@ -61,6 +62,9 @@ class RoutingMetadata:
     s_scatter_idx: torch.Tensor  # [R]
     s_reverse_scatter_idx: torch.Tensor  # [R]
     token_offsets: torch.Tensor  # [T+1]
+    # K when every token has exactly K pairs (top-K routing: token_offsets[t] = K*t), so kernels may compute a
+    # token's pair range instead of loading it; 0 when the counts vary (flat routing, expert parallelism).
+    pairs_per_token: int = 0
 
     @property
     def num_experts(self) -> int:

@@ -1,5 +1,5 @@
 """Where the experts' time goes on one GPU: kernel table of `ours` and sonic-moe (fwd, fwd+bwd) under the torch
-profiler, and a sweep of the Triton gather-sum's launch parameters against the memory-bandwidth bound.
+profiler.
 
     source .devbundle/setup.sh; python3 scripts/gpu_experts_profile.py --config 32768,2048,1024,64,8 --out $OUT
 """
@@ -11,7 +11,6 @@ import json
 import os
 
 import torch
-import triton
 from torch.profiler import ProfilerActivity, profile
 
 from sonic_megatron.bench import experts as B
@@ -87,41 +86,12 @@ def timeline(fn, name: str, out: str, steps: int = 3, iters: int = 20) -> dict:
     return rep
 
 
-def gather_sum_sweep(T, D, K):
-    from sonic_megatron.kernels.triton.gather_sum import _gather_sum_kernel
-
-    R = T * K
-    rows = torch.randn(R, D, device="cuda").bfloat16()
-    rev = torch.randperm(R, device="cuda").int()
-    off = (torch.arange(T + 1, device="cuda") * K).int()
-    w = torch.rand(R, device="cuda")
-    out = torch.empty(T, D, device="cuda", dtype=torch.bfloat16)
-    bytes_moved = R * D * 2 + T * D * 2 + R * 8
-    res = []
-    for block_d in (256, 512, 1024, 2048):
-        for warps in (2, 4, 8):
-            if block_d > triton.next_power_of_2(D):
-                continue
-
-            def go(block_d=block_d, warps=warps):
-                _gather_sum_kernel[(T, triton.cdiv(D, block_d))](
-                    rows, w, rev, off, out, D, rows.stride(0), out.stride(0),
-                    HAS_W=True, BLOCK_J=8, BLOCK_D=block_d, num_warps=warps,
-                )  # fmt: skip
-
-            ms = triton.testing.do_bench(go, warmup=25, rep=200)
-            res.append({"block_d": block_d, "num_warps": warps, "ms": ms, "GBps": bytes_moved / ms / 1e6})
-            print(res[-1], flush=True)
-    return res
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="32768,2048,1024,64,8")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--steps", type=int, default=3, help="profiled steps per table")
     ap.add_argument("--timeline-only", action="store_true", help="only the idle-gap timeline of fwd+bwd")
-    ap.add_argument("--no-sweep", action="store_true", help="skip the gather-sum launch-parameter sweep")
     args = ap.parse_args()
     T, d, n, E, K = B._parse(args.config)  # bench experts' own check of T,d,n,E,K
     import sonic_megatron.kernels.cute  # noqa: F401
@@ -156,9 +126,6 @@ def main():
             print(f"\n== {name} {phase}: kernel total {total:.3f} ms per step")
             for k, c, ms in table[:30]:
                 print(f"  {ms:8.3f} ms  x{c:<3d} {k[:110]}")
-    if not args.no_sweep:
-        print("\n== gather_sum sweep (bf16 rows, fp32 weights)")
-        report["gather_sum_sweep"] = gather_sum_sweep(T, d, K)
     with open(os.path.join(args.out, f"experts-profile-{args.config.replace(',', '_')}.json"), "w") as f:
         json.dump(report, f, indent=1)
 

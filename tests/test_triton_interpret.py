@@ -5,6 +5,7 @@ a GPU is present the same tests run the compiled kernels on it instead. Shapes s
 runs each program in Python.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -110,9 +111,40 @@ def test_gather_sum_vs_float64(case, dtype, weighted):
     _check_gather_sum(case, dtype, weighted, D=72)  # not a power of two: masked D tail
 
 
+@pytest.mark.parametrize("D", [1536, 9216])  # 2 D-blocks per program (the 2nd masked); 9 blocks: 2 programs
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gather_sum_vs_float64_half_blocks(dtype):
-    _check_gather_sum("topk_ragged", dtype, True, D=1536)  # three 512-wide blocks instead of two masked 1024s
+def test_gather_sum_vs_float64_several_blocks(D, dtype):
+    _check_gather_sum("topk_ragged", dtype, True, D=D)
+
+
+def _topk_meta(case, gen):
+    """(meta with pairs_per_token = K as compute_metadata sets it for top-K routing, the same with 0, scores)."""
+    routing, E = CASES[case](gen)
+    tok, ex, scores, off = flatten_routing(_to(routing, DEVICE))
+    meta = compute_metadata_torch(tok, ex, off, E)
+    return dataclasses.replace(meta, pairs_per_token=routing.indices_TK.shape[1]), meta, scores
+
+
+@pytest.mark.parametrize("case", ["topk_ragged", "empty_experts", "one_expert"])
+def test_gather_sum_fixed_k_equals_offsets(case):
+    """Top-K: the pair range computed from K gives bitwise the result of reading token_offsets."""
+    _, gather_sum = _kernels()
+    gen = torch.Generator().manual_seed(5)
+    fixed, csr, scores = _topk_meta(case, gen)
+    assert fixed.pairs_per_token > 0
+    rows = torch.randn(csr.num_rows, 1100, generator=gen).to(DEVICE, torch.bfloat16)
+    for w in (scores, None):
+        a = gather_sum(rows, fixed, w)
+        b = gather_sum(rows, csr, w, pairs_per_token=fixed.pairs_per_token)
+        assert torch.equal(a, b)
+
+
+def test_gather_sum_rejects_wrong_pairs_per_token():
+    _, gather_sum = _kernels()
+    fixed, _, _ = _topk_meta("topk_ragged", torch.Generator().manual_seed(6))
+    bad = dataclasses.replace(fixed, pairs_per_token=fixed.pairs_per_token + 1)
+    with pytest.raises(ValueError, match="pairs_per_token"):
+        gather_sum(torch.zeros(fixed.num_rows, 8, device=DEVICE), bad, None)
 
 
 def _check_gather_sum(case, dtype, weighted, D):
