@@ -245,7 +245,12 @@ def compute_metadata(
     routing: Routing, num_experts: int, ops: ModuleType = torch_backend
 ) -> tuple[torch.Tensor, RoutingMetadata]:
     """(flat scores_R with autograd, metadata) for a routing; device-side, no host sync. A backend's op
-    module may bring its own metadata kernels (``ops.compute_metadata``, same contract); else PyTorch's."""
+    module may bring its own metadata kernels (``ops.compute_metadata``, same contract, and optionally
+    ``ops.compute_metadata_topk(indices_TK, E)`` for top-K routing); else PyTorch's."""
+    build_topk = getattr(ops, "compute_metadata_topk", None)
+    if isinstance(routing, TopKRouting) and build_topk is not None:
+        # Fewer launches before the first GEMM (the host is on the critical path of short calls).
+        return routing.scores_TK.reshape(-1), build_topk(routing.indices_TK, num_experts)
     token_idx_R, expert_idx_R, scores_R, token_offsets = flatten_routing(routing)
     build = getattr(ops, "compute_metadata", compute_metadata_torch)
     meta = build(token_idx_R, expert_idx_R, token_offsets, num_experts)

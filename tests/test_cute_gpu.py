@@ -181,15 +181,21 @@ def test_reserve_sms_same_bits_fewer_clusters():
 
 def test_triton_metadata_matches_torch_on_gpu():
     _require_cute()
-    from sonic_megatron.kernels.routing import compute_metadata_torch, flatten_routing
-    from sonic_megatron.kernels.triton import compute_metadata_triton
+    from sonic_megatron.kernels.routing import TopKRouting, compute_metadata_torch, flatten_routing
+    from sonic_megatron.kernels.triton import compute_metadata_topk_triton, compute_metadata_triton
 
     gen = torch.Generator().manual_seed(4)
     for kind, T, E, K in (("uniform", 32768, 128, 8), ("hot", 5000, 64, 4), ("flat", 3000, 16, 4)):
-        tok, ex, _, off = flatten_routing(_routing(kind, T, E, K, gen))
-        got, want = compute_metadata_triton(tok, ex, off, E), compute_metadata_torch(tok, ex, off, E)
-        for a, b in zip(got.tensors(), want.tensors(), strict=True):
-            assert torch.equal(a, b), kind
+        routing = _routing(kind, T, E, K, gen)
+        tok, ex, _, off = flatten_routing(routing)
+        want = compute_metadata_torch(tok, ex, off, E)
+        got = [compute_metadata_triton(tok, ex, off, E)]
+        if isinstance(routing, TopKRouting):  # the top-K path (token = pair // K, no flat token index)
+            got.append(compute_metadata_topk_triton(routing.indices_TK, E))
+            assert got[-1].pairs_per_token == K
+        for meta in got:
+            for a, b in zip(meta.tensors(), want.tensors(), strict=True):
+                assert torch.equal(a, b), kind
 
 
 def test_cute_rejects_unsupported_inputs():

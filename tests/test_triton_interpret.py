@@ -88,6 +88,20 @@ def test_metadata_matches_torch(case):
         assert torch.equal(a.cpu(), b.cpu()), name
 
 
+@pytest.mark.parametrize("case", ["topk_ragged", "empty_experts", "one_expert", "no_tokens", "many_tiles"])
+def test_metadata_topk_path_matches_flat(case):
+    """Top-K metadata without the flat token index (token = pair // K): the same arrays, pairs_per_token = K."""
+    from sonic_megatron.kernels.triton import compute_metadata_topk_triton
+
+    routing, E = CASES[case](torch.Generator().manual_seed(7))
+    routing = _to(routing, DEVICE)
+    tok, ex, _, off = flatten_routing(routing)
+    got = compute_metadata_topk_triton(routing.indices_TK, E)
+    assert got.pairs_per_token == routing.indices_TK.shape[1]
+    for a, b in zip(got.tensors(), compute_metadata_torch(tok, ex, off, E).tensors(), strict=True):
+        assert a.dtype == b.dtype == torch.int32 and torch.equal(a.cpu(), b.cpu())
+
+
 @pytest.mark.parametrize("params", [(64, 256, 8), (128, 128, 16)])
 def test_metadata_launch_parameters_do_not_change_results(params, monkeypatch):
     """Other tile sizes of the rank kernel and blockings of the tile scan (the sweep's alternatives): same results."""

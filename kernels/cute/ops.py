@@ -28,7 +28,7 @@ from quack import gemm_interface as qgemm
 from ..activations import GATED_ACTIVATIONS
 from ..routing import RoutingMetadata
 from ..torch_backend import check_weight_grad_out
-from ..triton import compute_metadata_triton, gather_sum
+from ..triton import compute_metadata_topk_triton, compute_metadata_triton, gather_sum
 from .configs import heuristic_config, policy
 from .sm_budget import install as _install_sm_budget
 from .sm_budget import reserve_sms
@@ -39,8 +39,9 @@ _install_sm_budget()  # QuACK GEMMs honour ``reserve_sms`` (leave SMs to a concu
 # ``routing.compute_metadata_torch``, checked bitwise on GPU in tests/test_cute_gpu.py). The shared interface
 # builds metadata through ``interface.compute_metadata``, which takes this one when the backend is cute.
 compute_metadata = compute_metadata_triton
+compute_metadata_topk = compute_metadata_topk_triton  # top-K: no flat token index built (token = pair // K)
 
-__all__ = ["backward_data", "backward_weights", "compute_metadata", "forward", "reserve_sms"]
+__all__ = ["backward_data", "backward_weights", "compute_metadata", "compute_metadata_topk", "forward", "reserve_sms"]
 
 DTYPES = (torch.bfloat16, torch.float16)
 ACC_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # weight-gradient accumulators (TMA reduce-add)

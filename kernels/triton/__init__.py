@@ -17,11 +17,12 @@ Importing this package needs ``triton`` (not a dependency of CPU installs).
 from .ep_recv import ep_recv_rows_keys
 from .ep_send import EPSendSide, ep_send_side
 from .gather_sum import gather_sum
-from .metadata import compute_metadata_triton
+from .metadata import compute_metadata_topk_triton, compute_metadata_triton
 from .topk_softmax import topk_softmax
 
 __all__ = [
     "EPSendSide",
+    "compute_metadata_topk_triton",
     "compute_metadata_triton",
     "ep_recv_rows_keys",
     "ep_send_side",

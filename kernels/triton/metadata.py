@@ -93,12 +93,16 @@ def _scatter_kernel(
     s_scatter_ptr,
     s_reverse_ptr,
     BLOCK: tl.constexpr,
+    FIXED_K: tl.constexpr,
 ):
     tile = tl.program_id(0).to(tl.int64)
     j = tile * BLOCK + tl.arange(0, BLOCK)
     j_mask = j < R
     e = tl.load(expert_ptr + j, mask=j_mask, other=0).to(tl.int64)
-    tok = tl.load(token_ptr + j, mask=j_mask, other=0).to(tl.int32)
+    if FIXED_K > 0:  # noqa: SIM108 - top-K: pair j belongs to token j // K (no flat token index built or read)
+        tok = (j // FIXED_K).to(tl.int32)
+    else:
+        tok = tl.load(token_ptr + j, mask=j_mask, other=0).to(tl.int32)
     rank = tl.load(local_rank_ptr + j, mask=j_mask, other=0)
     base = tl.load(offsets_ptr + e, mask=j_mask, other=0)
     prefix = tl.load(tile_prefix_ptr + tile * E + e, mask=j_mask, other=0)
@@ -116,10 +120,26 @@ def _tile_size(R: int, E: int) -> int:
     return block
 
 
+def compute_metadata_topk_triton(indices_TK: torch.Tensor, num_experts: int) -> RoutingMetadata:
+    """Top-K routing's metadata (``pairs_per_token`` = K) without building the flat token index: the scatter
+    kernel derives token = pair // K. Same arrays as ``compute_metadata_triton`` on ``flatten_routing``'s output."""
+    T, K = indices_TK.shape
+    token_offsets = torch.arange(0, T * K + 1, max(K, 1), device=indices_TK.device, dtype=torch.int32)
+    token_idx_R = None if K else torch.empty(0, dtype=torch.int32, device=indices_TK.device)
+    return compute_metadata_triton(token_idx_R, indices_TK.reshape(-1), token_offsets, num_experts, pairs_per_token=K)
+
+
 def compute_metadata_triton(
-    token_idx_R: torch.Tensor, expert_idx_R: torch.Tensor, token_offsets: torch.Tensor, num_experts: int
+    token_idx_R: torch.Tensor | None,
+    expert_idx_R: torch.Tensor,
+    token_offsets: torch.Tensor,
+    num_experts: int,
+    pairs_per_token: int = 0,
 ) -> RoutingMetadata:
-    """Same contract and results as ``routing.compute_metadata_torch`` (int32 arrays, stable by pair)."""
+    """Same contract and results as ``routing.compute_metadata_torch`` (int32 arrays, stable by pair).
+    ``pairs_per_token`` = K > 0: every token has K pairs (top-K); ``token_idx_R`` may then be None."""
+    if token_idx_R is None and pairs_per_token <= 0:
+        raise ValueError("compute_metadata_triton: token_idx_R may be None only with pairs_per_token > 0 (top-K)")
     device = expert_idx_R.device
     R, E = expert_idx_R.numel(), num_experts
     if R >= 2**31 - 1:
@@ -132,7 +152,7 @@ def compute_metadata_triton(
     s_scatter_idx = torch.empty(R, **i32)
     s_reverse_scatter_idx = torch.empty(R, **i32)
     expert_idx_R = expert_idx_R.contiguous()
-    token_idx_R = token_idx_R.contiguous()
+    token_idx_R = expert_idx_R if token_idx_R is None else token_idx_R.contiguous()  # unread with FIXED_K
     block = _tile_size(R, E)
     n_tiles = triton.cdiv(R, block)
     tile_counts = torch.zeros(max(n_tiles, 1), E, **i32)  # becomes the per-tile exclusive prefix
@@ -157,6 +177,7 @@ def compute_metadata_triton(
             s_scatter_idx,
             s_reverse_scatter_idx,
             BLOCK=block,
+            FIXED_K=pairs_per_token,
         )
     return RoutingMetadata(
         expert_offsets=expert_offsets,
@@ -164,4 +185,5 @@ def compute_metadata_triton(
         s_scatter_idx=s_scatter_idx,
         s_reverse_scatter_idx=s_reverse_scatter_idx,
         token_offsets=token_offsets.to(torch.int32),
+        pairs_per_token=pairs_per_token,
     )
