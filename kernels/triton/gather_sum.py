@@ -41,7 +41,7 @@ def _gather_sum_kernel(
 ):
     # FIXED_K > 0: every token has exactly FIXED_K pairs (top-K: token_offsets[t] = K*t), so the pair range
     # needs no load of token_offsets (one dependent load less before the row gather). D_TILES: D-blocks per
-    # program, walked in order (the pair indices and weights are loaded once per block from L1).
+    # program, walked in order (the pair indices and weights are re-read per block, from cache).
     t = tl.program_id(0).to(tl.int64)
     if FIXED_K > 0:
         start = t * FIXED_K

@@ -124,8 +124,9 @@ def compute_metadata_topk_triton(indices_TK: torch.Tensor, num_experts: int) -> 
     """Top-K routing's metadata (``pairs_per_token`` = K) without building the flat token index: the scatter
     kernel derives token = pair // K. Same arrays as ``compute_metadata_triton`` on ``flatten_routing``'s output."""
     T, K = indices_TK.shape
-    token_offsets = torch.arange(0, T * K + 1, max(K, 1), device=indices_TK.device, dtype=torch.int32)
-    token_idx_R = None if K else torch.empty(0, dtype=torch.int32, device=indices_TK.device)
+    i32 = dict(device=indices_TK.device, dtype=torch.int32)
+    token_offsets = torch.arange(0, T * K + 1, K, **i32) if K else torch.zeros(T + 1, **i32)
+    token_idx_R = None if K else torch.empty(0, **i32)
     return compute_metadata_triton(token_idx_R, indices_TK.reshape(-1), token_offsets, num_experts, pairs_per_token=K)
 
 
