@@ -52,3 +52,47 @@ def _no_a2a_worker(rank, world_size):
 def test_no_layer_a2a_skips_the_layer_exchanges_and_restores_them():
     for skipped, restored in run_distributed(_no_a2a_worker, 2):
         assert skipped and restored
+
+
+def test_paired_difference_is_the_median_of_per_round_differences():
+    # blocks drift (round 3 is slow for both variants); the paired median ignores the drift
+    on, none = [5.0, 5.1, 9.0, 5.0, 5.2], [4.0, 4.0, 8.1, 4.1, 4.0]
+    assert B._paired(on, none) == pytest.approx(1.0)
+    assert B._median([3.0, 1.0, 2.0]) == 2.0
+
+
+def _bench_layer_worker(rank, world_size, path):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    B.add_arguments(parser)
+    parser.add_argument("--json", default=None)  # added by the CLI for every benchmark
+    common = ["--device", "cpu", "--tokens", "32", "--hidden", "16", "--ffn", "8", "--experts", "4", "--topk", "2"]
+    common += ["--backend", "torch", "--warmup", "1", "--iters", "3", "--no-baseline"]
+    destroy = B.dist.destroy_process_group
+    B.dist.destroy_process_group = lambda *a, **k: None  # the test harness owns the group
+    try:
+        with pytest.raises(SystemExit, match="nccl-streams"):
+            B.run(parser.parse_args([*common, "--nccl-streams", "high"]))
+        B.run(parser.parse_args([*common, "--chunks", "1,2", "--comm-sms", "0,8", "--json", path]))
+    finally:
+        B.dist.destroy_process_group = destroy
+    return True
+
+
+def test_bench_layer_on_cpu_times_every_variant_interleaved(tmp_path):
+    import json
+
+    path = str(tmp_path / "layer.json")
+    assert all(run_distributed(_bench_layer_worker, 2, path, timeout=240))
+    rows = json.load(open(path))["rows"]
+    assert json.load(open(path))["timing"].startswith("interleaved: 3 rounds")
+    for chunks in ("1", "2"):
+        mine = [r for r in rows if r["chunks"] == chunks]
+        # overlap on for comm_sms 0 and 8, overlap off, no a2a
+        assert [(r["overlap"], r["comm_sms"]) for r in mine] == [(True, 0), (True, 8), (False, 0), ("no a2a", 0)]
+        for r in mine:
+            assert r["ms"] > 0 and r["host_ms"] > 0 and r["a2a_alone_ms"] > 0 and r["nccl_stream"] == "normal"
+        for r in mine[:2]:
+            assert 0.0 <= r["a2a_hidden"] <= 1.0 and 0.0 <= r["overlap_gain"] <= 1.0
+            assert r["bitwise"] and r["rel_diff_out"] < 1e-5

@@ -16,12 +16,18 @@ Per schedule s, ours is also timed with every all-to-all of the layer skipped (`
 keep stale rows, so only the timing means anything; the plan and its collectives stay), and t_a2a(s) is the
 layer's all-to-alls alone with the SAME plan (its stages; forward: rows to the experts -- scores ride in the
 plan's pair-metadata all-to-all -- and rows back; backward: dO rows to the experts, dX rows and dS back), run back
-to back. Per comm_sms value, with overlap on:
-    a2a_hidden   = clip(1 - (t(s, overlap on, comm_sms) - t(s, no a2a)) / t_a2a(s), 0, 1)
-                   the share of the all-to-all time that adds no wall time (exposed = t_on - t_no_a2a);
-    overlap_gain = clip((t(s, overlap off) - t(s, overlap on, comm_sms)) / t_a2a(s), 0, 1)
+to back. Ours' variants of one schedule are timed INTERLEAVED: ``--iters`` rounds, each running every variant
+once (overlap on for each ``--nccl-streams`` x ``--comm-sms`` value, overlap off, no a2a, the all-to-alls alone),
+each call from an idle device after a barrier; a variant's time is its median over rounds (max over ranks per
+round). Per overlap-on variant:
+    a2a_hidden   = clip(1 - exposed / t_a2a(s), 0, 1),  exposed = median over rounds of t_on - t_no_a2a:
+                   the share of the all-to-all time that adds no wall time;
+    overlap_gain = clip(median over rounds of (t_off - t_on) / t_a2a(s), 0, 1):
                    what the overlap schedule buys over waiting for each all-to-all at once ("overlap off": same
                    kernels, same bits, all SMs to the GEMMs).
+Per-round (paired) differences matter: the layer is host-bound at the issue-4 size, and blocks of calls timed
+seconds apart drifted by up to 1 ms on the same machine (docs/PERF.md section 2, session 7).
+``--nccl-streams normal,high`` also runs ours on a second EP group whose NCCL streams have high priority.
 When the layer is host-bound (host_ms close to ms) the all-to-alls also hide in GPU gaps left by the host, which
 a2a_hidden counts and overlap_gain mostly does not; ``--profile`` adds the kernel-level share (all-to-all kernel
 time during which a compute kernel runs on the GPU, from the trace), which counts only hiding behind kernels.
@@ -54,6 +60,8 @@ import torch.nn.functional as F
 from .common import print_table, write_json
 from .dispatch import DTYPES, add_common_arguments, random_routing, setup_distributed, timed
 
+NCCL_STREAMS = ("normal", "high")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
@@ -68,6 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="0",
         help="comma-separated SM counts the GEMMs leave free while an all-to-all is in flight (comm_sms); every "
         "schedule is timed with overlap on for each value; overlap off always uses 0 (default 0)",
+    )
+    parser.add_argument(
+        "--nccl-streams",
+        default="normal",
+        help="comma-separated NCCL stream priorities of ours' EP group, from normal,high (high: a second group "
+        "with high-priority internal streams, Megatron's high_priority_stream_groups; CUDA only); every "
+        "schedule is timed with overlap on for each value x each --comm-sms value (default normal)",
     )
     parser.add_argument("--backend", default="auto", help="kernels backend for ours: auto|torch|cute (default auto)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the Megatron baseline")
@@ -194,8 +209,8 @@ def megatron_layer(disp, x, routing_map, probs_TE, w1_LDG, w2_LFD):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _a2a_alone(plan, x, device, args) -> float:
-    """Seconds of the layer's all-to-alls alone with this plan (its stages): forward rows to the experts and
+def _a2a_alone(plan, x, device):
+    """A call of the layer's all-to-alls alone with this plan (its stages): forward rows to the experts and
     rows back, backward dO rows to the experts and dX rows + dS back. (The forward's scores ride in the
     plan's pair-metadata all-to-all, which is part of the plan, not timed here.)"""
     from ..token_dispatch import exchange as X
@@ -220,7 +235,7 @@ def _a2a_alone(plan, x, device, args) -> float:
         _all_rows_back(plan, recv)  # backward dX
         scores_back()
 
-    return timed(fn, device, args.warmup, args.iters)
+    return fn
 
 
 def _schedule(text: str) -> tuple[int, bool]:
@@ -252,27 +267,56 @@ def _no_layer_a2a():
         exchange.all_to_all, exchange.send_recv = saved
 
 
-def _timed_host(fn, device, warmup: int, iters: int) -> tuple[float, float]:
-    """(median seconds, median host seconds until ``fn`` returns), max over ranks."""
-    import statistics
+def _timed_rounds(variants: dict, device, warmup: int, rounds: int) -> dict:
+    """Interleaved timing: each round runs every variant once, in order, each call from an idle device after a
+    barrier. Returns, per variant key, (seconds per round, host seconds per round until the call returned), each
+    the max over ranks of that round. Interleaving puts all variants under the same host and clock conditions,
+    so the difference of two variants is taken round by round (paired) instead of between blocks of calls
+    measured seconds apart (the layer is host-bound at the issue-4 size, and blocks drifted by up to 1 ms).
+    ``variants``: key -> (fn, context factory entered around each call, e.g. ``_no_layer_a2a``)."""
     import time
 
     from .dispatch import sync
 
-    for _ in range(warmup):
-        fn()
-    total, host = [], []
-    for _ in range(iters):
-        sync(device)
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        host.append(time.perf_counter() - t0)
-        sync(device)
-        total.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(total), statistics.median(host)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t[0]), float(t[1])
+    for fn, ctx in variants.values():
+        with ctx():
+            for _ in range(warmup):
+                fn()
+    times = torch.zeros(len(variants), rounds, 2, dtype=torch.float64)
+    for r in range(rounds):
+        for v, (fn, ctx) in enumerate(variants.values()):
+            with ctx():
+                sync(device)
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                t_host = time.perf_counter() - t0
+                sync(device)
+                times[v, r, 0], times[v, r, 1] = time.perf_counter() - t0, t_host
+    times = times.to(device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    times = times.cpu()
+    return {key: (times[v, :, 0].tolist(), times[v, :, 1].tolist()) for v, key in enumerate(variants)}
+
+
+def _median(xs) -> float:
+    import statistics
+
+    return statistics.median(xs)
+
+
+def _paired(a: list[float], b: list[float]) -> float:
+    """Median over rounds of a[r] - b[r]."""
+    return _median([x - y for x, y in zip(a, b, strict=True)])
+
+
+def _high_priority_group(P: int):
+    """A second NCCL group over all ranks whose internal streams have high priority (Megatron-core's
+    ``high_priority_stream_groups``): when SMs free up, the all-to-all's blocks are scheduled before queued GEMM
+    or gather-sum blocks."""
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = True
+    return dist.new_group(ranks=list(range(P)), backend="nccl", pg_options=opts)
 
 
 def _profile(fn, chunks: int, steps: int, out_dir: str, rank: int, device) -> None:
@@ -446,7 +490,7 @@ def run(args) -> int:
     routing = TopKRouting(scores, indices)
     results, outputs = [], {}
 
-    def ours(sched, overlap, comm_sms=0):
+    def ours(sched, overlap, comm_sms=0, ep_group=group):
         chunks, by_source = sched
 
         def fn():
@@ -455,7 +499,7 @@ def run(args) -> int:
                 routing,
                 w1,
                 w2,
-                group=group,
+                group=ep_group,
                 num_experts=E,
                 backend=args.backend,
                 num_chunks=chunks,
@@ -516,6 +560,12 @@ def run(args) -> int:
             for _ in range(args.warmup):
                 fn()
             profiler(fn, _label(sched), args.profile_steps, out_dir, rank, device)
+    streams = [v.strip() for v in args.nccl_streams.split(",") if v.strip()]
+    if not streams or any(v not in NCCL_STREAMS for v in streams):
+        raise SystemExit(f"--nccl-streams: comma-separated values from {NCCL_STREAMS}, got {args.nccl_streams!r}")
+    if "high" in streams and device.type != "cuda":
+        raise SystemExit("--nccl-streams high needs NCCL (CUDA devices)")
+    ep_groups = {"normal": group, **({"high": _high_priority_group(P)} if "high" in streams else {})}
     t_a2a = {}
     for sched in sched_list:
         chunks, by_source = sched
@@ -529,20 +579,33 @@ def run(args) -> int:
         ]
         flag = torch.stack([torch.tensor(0.0 if same else 1.0, device=device), *[r.to(device) for r in rel]])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        # overlap on (each comm_sms), overlap off, and the layer without its all-to-alls (same schedule)
-        for overlap, comm_sms in [(True, v) for v in sms_list] + [(False, 0), ("no a2a", 0)]:
-            with _no_layer_a2a() if overlap == "no a2a" else contextlib.nullcontext():
-                t, t_host = _timed_host(ours(sched, overlap is not False, comm_sms), device, args.warmup, args.iters)
-            row = dict(provider="ours", chunks=_label(sched), comm_sms=comm_sms, overlap=overlap)
-            row.update(ms=t * 1e3, host_ms=t_host * 1e3, tokens_per_s=P * T / t)
+        # Interleaved rounds: overlap on (each NCCL stream priority x comm_sms), overlap off, the layer without
+        # its all-to-alls, and the all-to-alls alone (same plan), each once per round.
+        plan = make_plan(routing, num_experts=E, group=group, x_TD=x0, num_chunks=chunks, by_source=by_source)
+        none = contextlib.nullcontext
+        variants = {("on", s, v): (ours(sched, True, v, ep_groups[s]), none) for s in streams for v in sms_list}
+        variants[("off", "normal", 0)] = (ours(sched, False), none)
+        variants[("no a2a", "normal", 0)] = (ours(sched, True, 0), _no_layer_a2a)
+        variants["a2a"] = (_a2a_alone(plan, x0, device), none)
+        timing = _timed_rounds(variants, device, args.warmup, args.iters)
+        t_a2a[_label(sched)] = t_c = _median(timing.pop("a2a")[0])
+        t_none, t_off = timing[("no a2a", "normal", 0)][0], timing[("off", "normal", 0)][0]
+        for (overlap, stream, comm_sms), (total, host) in timing.items():
+            t = _median(total)
+            row = dict(provider="ours", chunks=_label(sched), nccl_stream=stream, comm_sms=comm_sms)
+            row.update(overlap=overlap if overlap == "no a2a" else overlap == "on")
+            row.update(ms=t * 1e3, host_ms=_median(host) * 1e3, tokens_per_s=P * T / t, a2a_alone_ms=t_c * 1e3)
+            if overlap == "on":
+                exposed, gain = _paired(total, t_none), _paired(t_off, total)
+                row["a2a_exposed_ms"] = exposed * 1e3
+                row["a2a_hidden"] = max(0.0, min(1.0, 1 - exposed / t_c)) if t_c > 0 else None
+                row["overlap_gain"] = max(0.0, min(1.0, gain / t_c)) if t_c > 0 else None
             if overlap != "no a2a":
                 row.update(bitwise=bool(flag[0].item() == 0.0))
                 row.update(rel_diff_out=float(flag[1]), rel_diff_dx=float(flag[2]))
             results.append(row)
             if rank == 0:
                 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-        plan = make_plan(routing, num_experts=E, group=group, x_TD=x0, num_chunks=chunks, by_source=by_source)
-        t_a2a[_label(sched)] = _a2a_alone(plan, x0, device, args)
     outputs["ours"] = ours(sched_list[0], True, sms_list[0])().detach()
 
     baseline_error = None
@@ -565,22 +628,13 @@ def run(args) -> int:
         except Exception as exc:  # report, keep our numbers
             baseline_error = f"{type(exc).__name__}: {exc}"
 
-    ours_rows = [r for r in results if r["provider"] == "ours"]
-    t_serial = {r["chunks"]: r["ms"] / 1e3 for r in ours_rows if r["overlap"] is False}
-    t_none = {r["chunks"]: r["ms"] / 1e3 for r in ours_rows if r["overlap"] == "no a2a"}
-    for r in ours_rows:
-        r["a2a_alone_ms"] = t_a2a[r["chunks"]] * 1e3
-        if r["overlap"] is True:
-            t_on, t_c = r["ms"] / 1e3, t_a2a[r["chunks"]]
-            exposed, gain = t_on - t_none[r["chunks"]], t_serial[r["chunks"]] - t_on
-            r["a2a_exposed_ms"] = exposed * 1e3
-            r["a2a_hidden"] = max(0.0, min(1.0, 1 - exposed / t_c)) if t_c > 0 else None
-            r["overlap_gain"] = max(0.0, min(1.0, gain / t_c)) if t_c > 0 else None
     summary = {f"a2a_alone_ms_chunks{c}": t * 1e3 for c, t in t_a2a.items()}
     best_on = max((r for r in results if r.get("a2a_hidden") is not None), key=lambda r: r["a2a_hidden"], default=None)
     if best_on is not None:
         summary["max_a2a_hidden"] = best_on["a2a_hidden"]
-        summary["max_a2a_hidden_at"] = f"chunks {best_on['chunks']} comm_sms {best_on['comm_sms']}"
+        summary["max_a2a_hidden_at"] = (
+            f"chunks {best_on['chunks']} comm_sms {best_on['comm_sms']} nccl_stream {best_on['nccl_stream']}"
+        )
         summary["overlap_gain_there"] = best_on["overlap_gain"]
     if "megatron" in outputs:
         mg = next(r for r in results if r["provider"] == "megatron")
@@ -593,7 +647,8 @@ def run(args) -> int:
         summary["max_rel_diff_ours_vs_megatron"] = float(rel)
     if rank == 0:
         print(f"bench layer: P={P} T={T} d={D} n={Fn} E={E} K={K} {args.dtype} on {device.type}")
-        cols = ["provider", "chunks", "comm_sms", "overlap", "ms", "host_ms", "tokens_per_s", "a2a_alone_ms"]
+        cols = ["provider", "chunks", "nccl_stream", "comm_sms", "overlap", "ms", "host_ms", "tokens_per_s"]
+        cols += ["a2a_alone_ms"]
         cols += ["a2a_exposed_ms", "a2a_hidden", "overlap_gain"]
         print_table(results, cols + ["bitwise", "rel_diff_out", "rel_diff_dx"])
         print(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
@@ -606,6 +661,8 @@ def run(args) -> int:
                 "config": dict(
                     P=P, T=T, d=D, n=Fn, E=E, K=K, dtype=args.dtype, device=device.type, backend=args.backend
                 ),
+                "timing": f"interleaved: {args.iters} rounds, every variant of a schedule once per round, "
+                "medians; exposed and overlap gain are medians of per-round differences",
                 "rows": results,
                 "summary": summary,
                 "baseline_error": baseline_error,
