@@ -85,8 +85,10 @@ def test_bench_layer_on_cpu_times_every_variant_interleaved(tmp_path):
 
     path = str(tmp_path / "layer.json")
     assert all(run_distributed(_bench_layer_worker, 2, path, timeout=240))
-    rows = json.load(open(path))["rows"]
-    assert json.load(open(path))["timing"].startswith("interleaved: 3 rounds")
+    with open(path) as f:
+        result = json.load(f)
+    rows = result["rows"]
+    assert result["timing"].startswith("interleaved: 3 rounds")
     for chunks in ("1", "2"):
         mine = [r for r in rows if r["chunks"] == chunks]
         # overlap on for comm_sms 0 and 8, overlap off, no a2a
