@@ -23,6 +23,8 @@ nothing), a rank without tokens, and flat routing:
   * EP == the single-process kernels (same backend) on the concatenation, reported (max relative diff);
   * num_chunks=2 + redispatch + deferred wgrad, and by_source (+ comm_sms, chunks 2, deferred wgrad) within
     the same criterion; repeated runs bitwise equal;
+  * the default all-to-all (``token_dispatch.nccl_direct``) bitwise equal to torch.distributed's
+    (``SONIC_MEGATRON_EP_COMM=torch``);
   * token rounding (nearest, tile 128): every local expert's received count a multiple of 128, and the
     decision equal to single-process rounding of the concatenation.
 """
@@ -293,6 +295,11 @@ def check(out: str) -> int:
             c = global_inputs(kind, 100 + i)
             got, _ = run_ep(c, **dict(opts))
             again, _ = run_ep(c, **dict(opts))
+            os.environ["SONIC_MEGATRON_EP_COMM"] = "torch"  # torch.distributed's all_to_all_single instead
+            try:
+                via_torch, _ = run_ep(c, **dict(opts))
+            finally:
+                os.environ.pop("SONIC_MEGATRON_EP_COMM")
             ref64 = run_single(
                 dict(
                     c,
@@ -307,6 +314,7 @@ def check(out: str) -> int:
             low = run_single(c, bf16, ref_impl)
             single = run_single(c, bf16, ours_impl)
             entry = {"bitwise_repeat": all(torch.equal(a, b) for a, b in zip(got, again, strict=True))}
+            entry["bitwise_vs_torch_comm"] = all(torch.equal(a, b) for a, b in zip(got, via_torch, strict=True))
             for n, g, lo, r, s in zip(names, got, low, ref64, single, strict=True):
                 msg = _criterion(g, lo.to(g.dtype), r, eps)
                 rel = (
@@ -319,6 +327,8 @@ def check(out: str) -> int:
                     failures.append(f"rank {rank} {label} {n}: {msg}")
             if not entry["bitwise_repeat"]:
                 failures.append(f"rank {rank} {label}: repeated runs differ")
+            if not entry["bitwise_vs_torch_comm"]:
+                failures.append(f"rank {rank} {label}: nccl_direct and torch.distributed all-to-alls differ")
             report["cases"][label] = entry
         except Exception as exc:
             failures.append(f"rank {rank} {label}: {type(exc).__name__}: {exc}")

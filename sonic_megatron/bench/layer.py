@@ -17,7 +17,8 @@ keep stale rows, so only the timing means anything; the plan and its collectives
 layer's all-to-alls alone with the SAME plan (its stages; forward: rows to the experts -- scores ride in the
 plan's pair-metadata all-to-all -- and rows back; backward: dO rows to the experts, dX rows and dS back), run back
 to back. Ours' variants of one schedule are timed INTERLEAVED: ``--iters`` rounds, each running every variant
-once (overlap on for each ``--nccl-streams`` x ``--comm-sms`` value, overlap off, no a2a, the all-to-alls alone),
+once (per ``--ep-comm`` implementation: overlap on for each ``--comm-sms`` value, overlap off, the all-to-alls
+alone; then no a2a),
 each call from an idle device after a barrier; a variant's time is its median over rounds (max over ranks per
 round). Per overlap-on variant:
     a2a_hidden   = clip(1 - exposed / t_a2a(s), 0, 1),  exposed = median over rounds of t_on - t_no_a2a:
@@ -27,7 +28,9 @@ round). Per overlap-on variant:
                    kernels, same bits, all SMs to the GEMMs).
 Per-round (paired) differences matter: the layer is host-bound at the issue-4 size, and blocks of calls timed
 seconds apart drifted by up to 1 ms on the same machine (docs/PERF.md section 2, session 7).
-``--nccl-streams normal,high`` also runs ours on a second EP group whose NCCL streams have high priority.
+``--ep-comm nccl,torch,torch-high`` compares all-to-all implementations in the same rounds (NCCL's C API, the
+default; torch.distributed's all_to_all_single; the latter on a group with high-priority NCCL streams): every
+overlap-on, overlap-off and all-to-all-alone variant per implementation.
 When the layer is host-bound (host_ms close to ms) the all-to-alls also hide in GPU gaps left by the host, which
 a2a_hidden counts and overlap_gain mostly does not; ``--profile`` adds the kernel-level share (all-to-all kernel
 time during which a compute kernel runs on the GPU, from the trace), which counts only hiding behind kernels.
@@ -50,7 +53,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
+import os
 import types
 
 import torch
@@ -60,7 +65,7 @@ import torch.nn.functional as F
 from .common import print_table, write_json
 from .dispatch import DTYPES, add_common_arguments, random_routing, setup_distributed, timed
 
-NCCL_STREAMS = ("normal", "high")
+EP_COMMS = ("nccl", "torch", "torch-high")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,11 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "schedule is timed with overlap on for each value; overlap off always uses 0 (default 0)",
     )
     parser.add_argument(
-        "--nccl-streams",
-        default="normal",
-        help="comma-separated NCCL stream priorities of ours' EP group, from normal,high (high: a second group "
-        "with high-priority internal streams, Megatron's high_priority_stream_groups; CUDA only); every "
-        "schedule is timed with overlap on for each value x each --comm-sms value (default normal)",
+        "--ep-comm",
+        default="nccl",
+        help="comma-separated all-to-all implementations for ours, from nccl,torch,torch-high: nccl = "
+        "token_dispatch.nccl_direct (NCCL's C API; the default on CUDA), torch = torch.distributed's "
+        "all_to_all_single (SONIC_MEGATRON_EP_COMM=torch), torch-high = the latter on a second group with "
+        "high-priority NCCL streams (Megatron's high_priority_stream_groups; CUDA only). Every schedule is timed "
+        "with overlap on (each --comm-sms value), overlap off and the all-to-alls alone for each (default nccl)",
     )
     parser.add_argument("--backend", default="auto", help="kernels backend for ours: auto|torch|cute (default auto)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the Megatron baseline")
@@ -250,6 +257,20 @@ def _schedule(text: str) -> tuple[int, bool]:
 
 def _label(sched: tuple[int, bool]) -> str:
     return f"{sched[0]}{'s' if sched[1] else ''}"
+
+
+@contextlib.contextmanager
+def _ep_comm(impl: str):
+    """Run with ``SONIC_MEGATRON_EP_COMM=impl`` (token_dispatch.comm reads it per call)."""
+    saved = os.environ.get("SONIC_MEGATRON_EP_COMM")
+    os.environ["SONIC_MEGATRON_EP_COMM"] = impl
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("SONIC_MEGATRON_EP_COMM")
+        else:
+            os.environ["SONIC_MEGATRON_EP_COMM"] = saved
 
 
 @contextlib.contextmanager
@@ -560,12 +581,14 @@ def run(args) -> int:
             for _ in range(args.warmup):
                 fn()
             profiler(fn, _label(sched), args.profile_steps, out_dir, rank, device)
-    streams = [v.strip() for v in args.nccl_streams.split(",") if v.strip()]
-    if not streams or any(v not in NCCL_STREAMS for v in streams):
-        raise SystemExit(f"--nccl-streams: comma-separated values from {NCCL_STREAMS}, got {args.nccl_streams!r}")
-    if "high" in streams and device.type != "cuda":
-        raise SystemExit("--nccl-streams high needs NCCL (CUDA devices)")
-    ep_groups = {"normal": group, **({"high": _high_priority_group(P)} if "high" in streams else {})}
+    comms = [v.strip() for v in args.ep_comm.split(",") if v.strip()]
+    if not comms or any(v not in EP_COMMS for v in comms):
+        raise SystemExit(f"--ep-comm: comma-separated values from {EP_COMMS}, got {args.ep_comm!r}")
+    if "torch-high" in comms and device.type != "cuda":
+        raise SystemExit("--ep-comm torch-high needs NCCL (CUDA devices)")
+    ep_groups = {"nccl": group, "torch": group}
+    if "torch-high" in comms:
+        ep_groups["torch-high"] = _high_priority_group(P)
     t_a2a = {}
     for sched in sched_list:
         chunks, by_source = sched
@@ -579,24 +602,33 @@ def run(args) -> int:
         ]
         flag = torch.stack([torch.tensor(0.0 if same else 1.0, device=device), *[r.to(device) for r in rel]])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        # Interleaved rounds: overlap on (each NCCL stream priority x comm_sms), overlap off, the layer without
-        # its all-to-alls, and the all-to-alls alone (same plan), each once per round.
-        plan = make_plan(routing, num_experts=E, group=group, x_TD=x0, num_chunks=chunks, by_source=by_source)
-        none = contextlib.nullcontext
-        variants = {("on", s, v): (ours(sched, True, v, ep_groups[s]), none) for s in streams for v in sms_list}
-        variants[("off", "normal", 0)] = (ours(sched, False), none)
-        variants[("no a2a", "normal", 0)] = (ours(sched, True, 0), _no_layer_a2a)
-        variants["a2a"] = (_a2a_alone(plan, x0, device), none)
+        # Interleaved rounds, per all-to-all implementation: overlap on (each comm_sms), overlap off and the
+        # all-to-alls alone (same plan); once: the layer without its all-to-alls.
+        plans = {
+            c: make_plan(routing, num_experts=E, group=ep_groups[c], x_TD=x0, num_chunks=chunks, by_source=by_source)
+            for c in comms
+        }
+        variants = {}
+        for c in comms:
+            env = functools.partial(_ep_comm, "torch" if c.startswith("torch") else "nccl")
+            for v in sms_list:
+                variants[("on", c, v)] = (ours(sched, True, v, ep_groups[c]), env)
+            variants[("off", c, 0)] = (ours(sched, False, 0, ep_groups[c]), env)
+            variants[("a2a", c, 0)] = (_a2a_alone(plans[c], x0, device), env)
+        variants[("no a2a", "-", 0)] = (ours(sched, True, 0), _no_layer_a2a)
         timing = _timed_rounds(variants, device, args.warmup, args.iters)
-        t_a2a[_label(sched)] = t_c = _median(timing.pop("a2a")[0])
-        t_none, t_off = timing[("no a2a", "normal", 0)][0], timing[("off", "normal", 0)][0]
-        for (overlap, stream, comm_sms), (total, host) in timing.items():
-            t = _median(total)
-            row = dict(provider="ours", chunks=_label(sched), nccl_stream=stream, comm_sms=comm_sms)
+        t_none = timing.pop(("no a2a", "-", 0))
+        a2a = {c: _median(timing.pop(("a2a", c, 0))[0]) for c in comms}
+        t_a2a[_label(sched)] = a2a[comms[0]]
+        rows = list(timing.items()) + [(("no a2a", "-", 0), t_none)]
+        for (overlap, comm_impl, comm_sms), (total, host) in rows:
+            t, t_c = _median(total), a2a.get(comm_impl)
+            row = dict(provider="ours", chunks=_label(sched), ep_comm=comm_impl, comm_sms=comm_sms)
             row.update(overlap=overlap if overlap == "no a2a" else overlap == "on")
-            row.update(ms=t * 1e3, host_ms=_median(host) * 1e3, tokens_per_s=P * T / t, a2a_alone_ms=t_c * 1e3)
+            row.update(ms=t * 1e3, host_ms=_median(host) * 1e3, tokens_per_s=P * T / t)
+            row.update(a2a_alone_ms=t_c * 1e3 if t_c is not None else None)
             if overlap == "on":
-                exposed, gain = _paired(total, t_none), _paired(t_off, total)
+                exposed, gain = _paired(total, t_none[0]), _paired(timing[("off", comm_impl, 0)][0], total)
                 row["a2a_exposed_ms"] = exposed * 1e3
                 row["a2a_hidden"] = max(0.0, min(1.0, 1 - exposed / t_c)) if t_c > 0 else None
                 row["overlap_gain"] = max(0.0, min(1.0, gain / t_c)) if t_c > 0 else None
@@ -633,7 +665,7 @@ def run(args) -> int:
     if best_on is not None:
         summary["max_a2a_hidden"] = best_on["a2a_hidden"]
         summary["max_a2a_hidden_at"] = (
-            f"chunks {best_on['chunks']} comm_sms {best_on['comm_sms']} nccl_stream {best_on['nccl_stream']}"
+            f"chunks {best_on['chunks']} comm_sms {best_on['comm_sms']} ep_comm {best_on['ep_comm']}"
         )
         summary["overlap_gain_there"] = best_on["overlap_gain"]
     if "megatron" in outputs:
@@ -647,7 +679,7 @@ def run(args) -> int:
         summary["max_rel_diff_ours_vs_megatron"] = float(rel)
     if rank == 0:
         print(f"bench layer: P={P} T={T} d={D} n={Fn} E={E} K={K} {args.dtype} on {device.type}")
-        cols = ["provider", "chunks", "nccl_stream", "comm_sms", "overlap", "ms", "host_ms", "tokens_per_s"]
+        cols = ["provider", "chunks", "ep_comm", "comm_sms", "overlap", "ms", "host_ms", "tokens_per_s"]
         cols += ["a2a_alone_ms"]
         cols += ["a2a_exposed_ms", "a2a_hidden", "overlap_gain"]
         print_table(results, cols + ["bitwise", "rel_diff_out", "rel_diff_dx"])
