@@ -21,6 +21,7 @@ buffers on the device.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 
 import torch
@@ -36,7 +37,8 @@ class _UniqueId(ctypes.Structure):
 
 
 _lib = None
-_comms: dict = {}
+_comms: dict = {}  # (id(group), device index) -> _Comm
+_nccl_groups: dict = {}  # id(group) -> whether its backend is NCCL
 
 
 def impl() -> str:
@@ -73,13 +75,15 @@ def _check(rc: int, what: str) -> None:
 def available(group, t: torch.Tensor) -> bool:
     """Whether ``all_to_all`` below applies: a CUDA tensor, an NCCL group, NCCL's library loadable, and the
     environment does not ask for torch's collective."""
-    if not t.is_cuda or impl() != "nccl" or "nccl" not in str(dist.get_backend(group)):
+    if not t.is_cuda or impl() != "nccl":
         return False
-    try:
-        _load()
-    except OSError:
-        return False
-    return True
+    key = id(group)
+    if key not in _nccl_groups:
+        try:
+            _nccl_groups[key] = "nccl" in str(dist.get_backend(group)) and _load() is not None
+        except OSError:
+            _nccl_groups[key] = False
+    return _nccl_groups[key]
 
 
 class _Comm:
@@ -87,6 +91,7 @@ class _Comm:
 
     def __init__(self, group, device: torch.device) -> None:
         lib = _load()
+        self.group = group  # held: keeps id(group), the cache key, from being reused by another group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         uid = _UniqueId()
         if self.rank == 0:
@@ -103,25 +108,28 @@ class _Comm:
 class Work:
     """An in-flight all-to-all; ``wait()`` orders the current stream after it (and releases its tensors)."""
 
-    def __init__(self, done: torch.cuda.Event, tensors: tuple) -> None:
-        self._done, self._tensors = done, tensors
+    def __init__(self, done: torch.cuda.Event, device: torch.device, tensors: tuple) -> None:
+        self._done, self._device, self._tensors = done, device, tensors
 
     def wait(self) -> None:
-        torch.cuda.current_stream(self._done.device).wait_event(self._done)
+        torch.cuda.current_stream(self._device).wait_event(self._done)
         self._tensors = ()
 
 
 def _comm(group, device: torch.device) -> _Comm:
-    key = (tuple(dist.get_process_group_ranks(group)), id(group), device.index)
-    if key not in _comms:
-        _comms[key] = _Comm(group, device)
-    return _comms[key]
+    key = (id(group), device.index)
+    c = _comms.get(key)
+    if c is None:
+        c = _comms[key] = _Comm(group, device)
+    return c
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> Work:
     """``all_to_all_single(out, inp, out_splits, in_splits, group, async_op=True)`` along dim 0 (contiguous
     tensors of one dtype), through NCCL's C API. Returns the work handle."""
-    P = dist.get_world_size(group)
+    lib = _load()
+    c = _comm(group, out.device)
+    P = c.size
     if len(out_splits) != P or len(in_splits) != P:
         raise ValueError(f"nccl_direct.all_to_all: {P} split sizes per side expected, got {out_splits}, {in_splits}")
     if sum(in_splits) != inp.shape[0] or sum(out_splits) != out.shape[0]:
@@ -131,9 +139,7 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_s
         )
     if not (inp.is_contiguous() and out.is_contiguous()) or inp.dtype != out.dtype or inp.shape[1:] != out.shape[1:]:
         raise ValueError("nccl_direct.all_to_all: contiguous tensors of the same dtype and row shape expected")
-    lib = _load()
-    c = _comm(group, out.device)
-    row = inp[0].numel() * inp.element_size() if inp.dim() > 1 else inp.element_size()
+    row = math.prod(inp.shape[1:]) * inp.element_size()  # bytes per row (also with zero rows)
     current = torch.cuda.current_stream(out.device)
     c.stream.wait_stream(current)
     s = ctypes.c_void_p(c.stream.cuda_stream)
@@ -151,4 +157,4 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_s
         _check(lib.ncclGroupEnd(), "ncclGroupEnd")
     done = torch.cuda.Event()
     done.record(c.stream)
-    return Work(done, (out, inp))
+    return Work(done, out.device, (out, inp))
