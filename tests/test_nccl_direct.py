@@ -18,6 +18,14 @@ def test_ep_comm_switch_names_the_allowed_values(monkeypatch):
     assert nccl_direct.impl() == "nccl"
 
 
+def test_unique_id_bytes_round_trip_with_zero_bytes_inside():
+    raw = bytes([7, 0, 0, 255] * 32)  # NUL bytes must survive (ncclUniqueId is binary)
+    uid = nccl_direct._id_from_bytes(raw)
+    assert nccl_direct._id_bytes(uid) == raw
+    with pytest.raises(ValueError, match="128 bytes"):
+        nccl_direct._id_from_bytes(b"short")
+
+
 def _gloo_worker(rank, world_size):
     from sonic_megatron.token_dispatch import comm
 

@@ -36,6 +36,19 @@ class _UniqueId(ctypes.Structure):
     _fields_ = [("internal", ctypes.c_char * _UNIQUE_ID_BYTES)]
 
 
+def _id_bytes(uid: _UniqueId) -> bytes:
+    """The id's 128 bytes (a c_char array field reads as NUL-terminated bytes, so read the memory)."""
+    return ctypes.string_at(ctypes.addressof(uid), _UNIQUE_ID_BYTES)
+
+
+def _id_from_bytes(raw: bytes) -> _UniqueId:
+    if len(raw) != _UNIQUE_ID_BYTES:
+        raise ValueError(f"an ncclUniqueId has {_UNIQUE_ID_BYTES} bytes, got {len(raw)}")
+    uid = _UniqueId()
+    ctypes.memmove(ctypes.addressof(uid), raw, _UNIQUE_ID_BYTES)
+    return uid
+
+
 _lib = None
 _comms: dict = {}  # (id(group), device index) -> _Comm
 _nccl_groups: dict = {}  # id(group) -> whether its backend is NCCL
@@ -96,9 +109,9 @@ class _Comm:
         uid = _UniqueId()
         if self.rank == 0:
             _check(lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
-        buf = torch.tensor(list(uid.internal.raw), dtype=torch.uint8, device=device)  # zeros off rank 0
+        buf = torch.tensor(list(_id_bytes(uid)), dtype=torch.uint8, device=device)  # zeros off rank 0
         dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
-        ctypes.memmove(ctypes.addressof(uid), bytes(buf.tolist()), _UNIQUE_ID_BYTES)
+        uid = _id_from_bytes(bytes(buf.tolist()))
         self.comm = ctypes.c_void_p()
         with torch.cuda.device(device):
             _check(lib.ncclCommInitRank(ctypes.byref(self.comm), self.size, uid, self.rank), "ncclCommInitRank")
