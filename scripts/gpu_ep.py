@@ -10,9 +10,8 @@ Env: OUT, TOTAL_S, CACHE (QuACK/Triton compile caches, as scripts/gpu_experts.sh
 if importable, else torch), EP_CHUNKS (bench layer schedules at EP 4, default 1,2,4,1s,2s; ``Ns`` = by source),
 EP_COMM_SMS (default 0,16,32), EP_BIG_TOKENS (a second, GPU-bound size at EP 4, default 65536; empty: skip),
 EP_BIG_CHUNKS (its schedules, default 1,2,1s), EP_AB_SEND=1 (also time EP 4 with SONIC_MEGATRON_EP_SEND=torch),
-EP_LAYER_EP2=0 (skip bench layer at EP 2), EP_LAYER_EXTRA (more bench layer arguments, e.g. "--ep-comm nccl,torch
---iters 40"), EP_PROFILE=DIR (bench layer at EP 4, both sizes, also runs --profile
-under DIR; the tables, with the all-to-all time under compute kernels, are copied to $OUT, the traces stay in DIR).
+EP_LAYER_EP2=0 (skip bench layer at EP 2), EP_LAYER_EXTRA (more bench layer arguments, e.g. "--iters 40"),
+EP_PROFILE=DIR (bench layer at EP 4, both sizes, also runs --profile under DIR; the tables, with the all-to-all time under compute kernels, are copied to $OUT, the traces stay in DIR).
 EP_CHECK_CPU=1 runs the check worker on CPU/gloo at tiny sizes (to test this script:
 ``EP_CHECK_CPU=1 torchrun --nproc_per_node 2 scripts/gpu_ep.py check --out /tmp``).
 
@@ -24,8 +23,6 @@ nothing), a rank without tokens, and flat routing:
   * EP == the single-process kernels (same backend) on the concatenation, reported (max relative diff);
   * num_chunks=2 + redispatch + deferred wgrad, and by_source (+ comm_sms, chunks 2, deferred wgrad) within
     the same criterion; repeated runs bitwise equal;
-  * the default all-to-all (``token_dispatch.nccl_direct``) bitwise equal to torch.distributed's
-    (``SONIC_MEGATRON_EP_COMM=torch``);
   * token rounding (nearest, tile 128): every local expert's received count a multiple of 128, and the
     decision equal to single-process rounding of the concatenation.
 """
@@ -107,7 +104,7 @@ def drive() -> int:
     big_chunks = os.environ.get("EP_BIG_CHUNKS", "1,2,1s")
     ab_send = os.environ.get("EP_AB_SEND") == "1"  # also time EP 4 with the PyTorch send side (A/B)
     layer = [*bench, "layer", "--backend", backend, "--comm-sms", comm_sms]
-    layer += os.environ.get("EP_LAYER_EXTRA", "").split()  # e.g. "--ep-comm nccl,torch --iters 40"
+    layer += os.environ.get("EP_LAYER_EXTRA", "").split()  # e.g. "--iters 40"
     profile = os.environ.get("EP_PROFILE")
     layer_ep4 = [*layer, *config, "--chunks", chunks, "--json", f"{out}/layer_ep4.json"]
     tokens = config[config.index("--tokens") + 1]
@@ -297,11 +294,6 @@ def check(out: str) -> int:
             c = global_inputs(kind, 100 + i)
             got, _ = run_ep(c, **dict(opts))
             again, _ = run_ep(c, **dict(opts))
-            os.environ["SONIC_MEGATRON_EP_COMM"] = "torch"  # torch.distributed's all_to_all_single instead
-            try:
-                via_torch, _ = run_ep(c, **dict(opts))
-            finally:
-                os.environ.pop("SONIC_MEGATRON_EP_COMM")
             ref64 = run_single(
                 dict(
                     c,
@@ -316,7 +308,6 @@ def check(out: str) -> int:
             low = run_single(c, bf16, ref_impl)
             single = run_single(c, bf16, ours_impl)
             entry = {"bitwise_repeat": all(torch.equal(a, b) for a, b in zip(got, again, strict=True))}
-            entry["bitwise_vs_torch_comm"] = all(torch.equal(a, b) for a, b in zip(got, via_torch, strict=True))
             for n, g, lo, r, s in zip(names, got, low, ref64, single, strict=True):
                 msg = _criterion(g, lo.to(g.dtype), r, eps)
                 rel = (
@@ -329,8 +320,6 @@ def check(out: str) -> int:
                     failures.append(f"rank {rank} {label} {n}: {msg}")
             if not entry["bitwise_repeat"]:
                 failures.append(f"rank {rank} {label}: repeated runs differ")
-            if not entry["bitwise_vs_torch_comm"]:
-                failures.append(f"rank {rank} {label}: nccl_direct and torch.distributed all-to-alls differ")
             report["cases"][label] = entry
         except Exception as exc:
             failures.append(f"rank {rank} {label}: {type(exc).__name__}: {exc}")

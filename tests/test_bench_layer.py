@@ -72,12 +72,7 @@ def _bench_layer_worker(rank, world_size, path):
     destroy = B.dist.destroy_process_group
     B.dist.destroy_process_group = lambda *a, **k: None  # the test harness owns the group
     try:
-        with pytest.raises(SystemExit, match="ep-comm"):
-            B.run(parser.parse_args([*common, "--ep-comm", "torch-high"]))
-        with pytest.raises(SystemExit, match="ep-comm"):
-            B.run(parser.parse_args([*common, "--ep-comm", "mpi"]))
-        args = [*common, "--chunks", "1,2", "--comm-sms", "0,8", "--ep-comm", "nccl,torch", "--json", path]
-        B.run(parser.parse_args(args))
+        B.run(parser.parse_args([*common, "--chunks", "1,2", "--comm-sms", "0,8", "--json", path]))
     finally:
         B.dist.destroy_process_group = destroy
     return True
@@ -94,16 +89,10 @@ def test_bench_layer_on_cpu_times_every_variant_interleaved(tmp_path):
     assert result["timing"].startswith("interleaved: 3 rounds")
     for chunks in ("1", "2"):
         mine = [r for r in rows if r["chunks"] == chunks]
-        # per implementation: overlap on for comm_sms 0 and 8, overlap off; then no a2a
-        on_off = [(True, 0), (True, 8), (False, 0)]
-        assert [(r["ep_comm"], r["overlap"], r["comm_sms"]) for r in mine] == [
-            *[("nccl", o, v) for o, v in on_off],
-            *[("torch", o, v) for o, v in on_off],
-            ("-", "no a2a", 0),
-        ]
+        # overlap on for comm_sms 0 and 8, overlap off, no a2a
+        assert [(r["overlap"], r["comm_sms"]) for r in mine] == [(True, 0), (True, 8), (False, 0), ("no a2a", 0)]
         for r in mine:
-            assert r["ms"] > 0 and r["host_ms"] > 0
-            assert (r["a2a_alone_ms"] is None) == (r["overlap"] == "no a2a")
-        for r in (r for r in mine if r["overlap"] is True):
+            assert r["ms"] > 0 and r["host_ms"] > 0 and r["a2a_alone_ms"] > 0
+        for r in mine[:2]:
             assert 0.0 <= r["a2a_hidden"] <= 1.0 and 0.0 <= r["overlap_gain"] <= 1.0
             assert r["bitwise"] and r["rel_diff_out"] < 1e-5

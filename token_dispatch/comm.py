@@ -4,17 +4,14 @@
 returns its input. Every all-to-all can run asynchronously (``async_op=True``): on NCCL the collective runs
 on the process group's internal stream, ordered after the work already queued on the current stream, and
 ``Work.wait()`` makes the current stream wait for it (ProcessGroupNCCL keeps the buffers alive until then),
-so overlap needs no hand-made streams or events and stays race-free when repeated; ``nccl_direct`` (the default
-for CUDA tensors on NCCL groups) keeps the same contract with its own side stream and events. On gloo the
-collective runs on gloo's worker thread while the caller computes.
+so overlap needs no hand-made streams or events and stays race-free when repeated. On gloo the collective
+runs on gloo's worker thread while the caller computes.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-from . import nccl_direct
 
 
 def group_size(group) -> int:
@@ -68,17 +65,9 @@ def all_to_all(
     async_op: bool = False,
 ):
     """All-to-all along dim 0 with uneven splits into the preallocated ``out``. Returns the work handle when
-    ``async_op`` (None when nothing was communicated). Single process: copies ``inp`` into ``out``. CUDA tensors
-    on an NCCL group go through ``nccl_direct`` (NCCL's C API, a fraction of the host cost, same bytes) unless
-    ``SONIC_MEGATRON_EP_COMM=torch``; everything else through ``all_to_all_single``."""
+    ``async_op`` (None when nothing was communicated). Single process: copies ``inp`` into ``out``."""
     if group_size(group) == 1:
         out.copy_(inp)
-        return None
-    if nccl_direct.available(group, out):
-        work = nccl_direct.all_to_all(out, inp, out_splits, in_splits, group)
-        if async_op:
-            return work
-        work.wait()
         return None
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
 

@@ -17,8 +17,7 @@ keep stale rows, so only the timing means anything; the plan and its collectives
 layer's all-to-alls alone with the SAME plan (its stages; forward: rows to the experts -- scores ride in the
 plan's pair-metadata all-to-all -- and rows back; backward: dO rows to the experts, dX rows and dS back), run back
 to back. Ours' variants of one schedule are timed INTERLEAVED: ``--iters`` rounds, each running every variant
-once (per ``--ep-comm`` implementation: overlap on for each ``--comm-sms`` value, overlap off, the all-to-alls
-alone; then no a2a),
+once (overlap on for each ``--comm-sms`` value, overlap off, no a2a, the all-to-alls alone),
 each call from an idle device after a barrier; a variant's time is its median over rounds (max over ranks per
 round). Per overlap-on variant:
     a2a_hidden   = clip(1 - exposed / t_a2a(s), 0, 1),  exposed = median over rounds of t_on - t_no_a2a:
@@ -28,9 +27,6 @@ round). Per overlap-on variant:
                    kernels, same bits, all SMs to the GEMMs).
 Per-round (paired) differences matter: the layer is host-bound at the issue-4 size, and blocks of calls timed
 seconds apart drifted by up to 1 ms on the same machine (docs/PERF.md section 2, session 7).
-``--ep-comm nccl,torch,torch-high`` compares all-to-all implementations in the same rounds (NCCL's C API, the
-default; torch.distributed's all_to_all_single; the latter on a group with high-priority NCCL streams): every
-overlap-on, overlap-off and all-to-all-alone variant per implementation.
 When the layer is host-bound (host_ms close to ms) the all-to-alls also hide in GPU gaps left by the host, which
 a2a_hidden counts and overlap_gain mostly does not; ``--profile`` adds the kernel-level share (all-to-all kernel
 time during which a compute kernel runs on the GPU, from the trace), which counts only hiding behind kernels.
@@ -53,9 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
-import os
 import types
 
 import torch
@@ -64,8 +58,6 @@ import torch.nn.functional as F
 
 from .common import print_table, write_json
 from .dispatch import DTYPES, add_common_arguments, random_routing, setup_distributed, timed
-
-EP_COMMS = ("nccl", "torch", "torch-high")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,15 +73,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="0",
         help="comma-separated SM counts the GEMMs leave free while an all-to-all is in flight (comm_sms); every "
         "schedule is timed with overlap on for each value; overlap off always uses 0 (default 0)",
-    )
-    parser.add_argument(
-        "--ep-comm",
-        default="nccl",
-        help="comma-separated all-to-all implementations for ours, from nccl,torch,torch-high: nccl = "
-        "token_dispatch.nccl_direct (NCCL's C API; the default on CUDA), torch = torch.distributed's "
-        "all_to_all_single (SONIC_MEGATRON_EP_COMM=torch), torch-high = the latter on a second group with "
-        "high-priority NCCL streams (Megatron's high_priority_stream_groups; CUDA only). Every schedule is timed "
-        "with overlap on (each --comm-sms value), overlap off and the all-to-alls alone for each (default nccl)",
     )
     parser.add_argument("--backend", default="auto", help="kernels backend for ours: auto|torch|cute (default auto)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the Megatron baseline")
@@ -260,20 +243,6 @@ def _label(sched: tuple[int, bool]) -> str:
 
 
 @contextlib.contextmanager
-def _ep_comm(impl: str):
-    """Run with ``SONIC_MEGATRON_EP_COMM=impl`` (token_dispatch.comm reads it per call)."""
-    saved = os.environ.get("SONIC_MEGATRON_EP_COMM")
-    os.environ["SONIC_MEGATRON_EP_COMM"] = impl
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("SONIC_MEGATRON_EP_COMM")
-        else:
-            os.environ["SONIC_MEGATRON_EP_COMM"] = saved
-
-
-@contextlib.contextmanager
 def _no_layer_a2a():
     """Skip the layer's own all-to-alls / exchanges (token_dispatch.exchange's), not the plan's collectives: the
     ``no a2a`` reference of a2a_hidden. Receive buffers keep stale contents; timing only."""
@@ -329,15 +298,6 @@ def _median(xs) -> float:
 def _paired(a: list[float], b: list[float]) -> float:
     """Median over rounds of a[r] - b[r]."""
     return _median([x - y for x, y in zip(a, b, strict=True)])
-
-
-def _high_priority_group(P: int):
-    """A second NCCL group over all ranks whose internal streams have high priority (Megatron-core's
-    ``high_priority_stream_groups``): when SMs free up, the all-to-all's blocks are scheduled before queued GEMM
-    or gather-sum blocks."""
-    opts = dist.ProcessGroupNCCL.Options()
-    opts.is_high_priority_stream = True
-    return dist.new_group(ranks=list(range(P)), backend="nccl", pg_options=opts)
 
 
 def _profile(fn, chunks: int, steps: int, out_dir: str, rank: int, device) -> None:
@@ -511,7 +471,7 @@ def run(args) -> int:
     routing = TopKRouting(scores, indices)
     results, outputs = [], {}
 
-    def ours(sched, overlap, comm_sms=0, ep_group=group):
+    def ours(sched, overlap, comm_sms=0):
         chunks, by_source = sched
 
         def fn():
@@ -520,7 +480,7 @@ def run(args) -> int:
                 routing,
                 w1,
                 w2,
-                group=ep_group,
+                group=group,
                 num_experts=E,
                 backend=args.backend,
                 num_chunks=chunks,
@@ -581,14 +541,6 @@ def run(args) -> int:
             for _ in range(args.warmup):
                 fn()
             profiler(fn, _label(sched), args.profile_steps, out_dir, rank, device)
-    comms = [v.strip() for v in args.ep_comm.split(",") if v.strip()]
-    if not comms or any(v not in EP_COMMS for v in comms):
-        raise SystemExit(f"--ep-comm: comma-separated values from {EP_COMMS}, got {args.ep_comm!r}")
-    if "torch-high" in comms and device.type != "cuda":
-        raise SystemExit("--ep-comm torch-high needs NCCL (CUDA devices)")
-    ep_groups = {"nccl": group, "torch": group}
-    if "torch-high" in comms:
-        ep_groups["torch-high"] = _high_priority_group(P)
     t_a2a = {}
     for sched in sched_list:
         chunks, by_source = sched
@@ -602,33 +554,24 @@ def run(args) -> int:
         ]
         flag = torch.stack([torch.tensor(0.0 if same else 1.0, device=device), *[r.to(device) for r in rel]])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        # Interleaved rounds, per all-to-all implementation: overlap on (each comm_sms), overlap off and the
-        # all-to-alls alone (same plan); once: the layer without its all-to-alls.
-        plans = {
-            c: make_plan(routing, num_experts=E, group=ep_groups[c], x_TD=x0, num_chunks=chunks, by_source=by_source)
-            for c in comms
-        }
-        variants = {}
-        for c in comms:
-            env = functools.partial(_ep_comm, "torch" if c.startswith("torch") else "nccl")
-            for v in sms_list:
-                variants[("on", c, v)] = (ours(sched, True, v, ep_groups[c]), env)
-            variants[("off", c, 0)] = (ours(sched, False, 0, ep_groups[c]), env)
-            variants[("a2a", c, 0)] = (_a2a_alone(plans[c], x0, device), env)
-        variants[("no a2a", "-", 0)] = (ours(sched, True, 0), _no_layer_a2a)
+        # Interleaved rounds: overlap on (each comm_sms), overlap off, the layer without its all-to-alls, and the
+        # all-to-alls alone (same plan), each once per round.
+        plan = make_plan(routing, num_experts=E, group=group, x_TD=x0, num_chunks=chunks, by_source=by_source)
+        none = contextlib.nullcontext
+        variants = {("on", v): (ours(sched, True, v), none) for v in sms_list}
+        variants[("off", 0)] = (ours(sched, False), none)
+        variants[("no a2a", 0)] = (ours(sched, True, 0), _no_layer_a2a)
+        variants["a2a"] = (_a2a_alone(plan, x0, device), none)
         timing = _timed_rounds(variants, device, args.warmup, args.iters)
-        t_none = timing.pop(("no a2a", "-", 0))
-        a2a = {c: _median(timing.pop(("a2a", c, 0))[0]) for c in comms}
-        t_a2a[_label(sched)] = a2a[comms[0]]
-        rows = list(timing.items()) + [(("no a2a", "-", 0), t_none)]
-        for (overlap, comm_impl, comm_sms), (total, host) in rows:
-            t, t_c = _median(total), a2a.get(comm_impl)
-            row = dict(provider="ours", chunks=_label(sched), ep_comm=comm_impl, comm_sms=comm_sms)
+        t_a2a[_label(sched)] = t_c = _median(timing.pop("a2a")[0])
+        t_none, t_off = timing[("no a2a", 0)][0], timing[("off", 0)][0]
+        for (overlap, comm_sms), (total, host) in timing.items():
+            t = _median(total)
+            row = dict(provider="ours", chunks=_label(sched), comm_sms=comm_sms)
             row.update(overlap=overlap if overlap == "no a2a" else overlap == "on")
-            row.update(ms=t * 1e3, host_ms=_median(host) * 1e3, tokens_per_s=P * T / t)
-            row.update(a2a_alone_ms=t_c * 1e3 if t_c is not None else None)
+            row.update(ms=t * 1e3, host_ms=_median(host) * 1e3, tokens_per_s=P * T / t, a2a_alone_ms=t_c * 1e3)
             if overlap == "on":
-                exposed, gain = _paired(total, t_none[0]), _paired(timing[("off", comm_impl, 0)][0], total)
+                exposed, gain = _paired(total, t_none), _paired(t_off, total)
                 row["a2a_exposed_ms"] = exposed * 1e3
                 row["a2a_hidden"] = max(0.0, min(1.0, 1 - exposed / t_c)) if t_c > 0 else None
                 row["overlap_gain"] = max(0.0, min(1.0, gain / t_c)) if t_c > 0 else None
@@ -664,9 +607,7 @@ def run(args) -> int:
     best_on = max((r for r in results if r.get("a2a_hidden") is not None), key=lambda r: r["a2a_hidden"], default=None)
     if best_on is not None:
         summary["max_a2a_hidden"] = best_on["a2a_hidden"]
-        summary["max_a2a_hidden_at"] = (
-            f"chunks {best_on['chunks']} comm_sms {best_on['comm_sms']} ep_comm {best_on['ep_comm']}"
-        )
+        summary["max_a2a_hidden_at"] = f"chunks {best_on['chunks']} comm_sms {best_on['comm_sms']}"
         summary["overlap_gain_there"] = best_on["overlap_gain"]
     if "megatron" in outputs:
         mg = next(r for r in results if r["provider"] == "megatron")
@@ -679,7 +620,7 @@ def run(args) -> int:
         summary["max_rel_diff_ours_vs_megatron"] = float(rel)
     if rank == 0:
         print(f"bench layer: P={P} T={T} d={D} n={Fn} E={E} K={K} {args.dtype} on {device.type}")
-        cols = ["provider", "chunks", "ep_comm", "comm_sms", "overlap", "ms", "host_ms", "tokens_per_s"]
+        cols = ["provider", "chunks", "comm_sms", "overlap", "ms", "host_ms", "tokens_per_s"]
         cols += ["a2a_alone_ms"]
         cols += ["a2a_exposed_ms", "a2a_hidden", "overlap_gain"]
         print_table(results, cols + ["bitwise", "rel_diff_out", "rel_diff_dx"])
