@@ -3,7 +3,8 @@
 #   source .devbundle/setup.sh; bash scripts/device_pass.sh envsweep bash scripts/gpu_ep_env_sweep.sh
 # Per variant (each its own torchrun, since NCCL reads its environment at communicator creation):
 #   bench dispatch (all-to-all time and GB/s; DISPATCH=0 skips it) and bench layer $LAYER_ARGS (default: 1 and 2
-#   chunks, comm_sms 0 and 32, --no-baseline), JSON under $OUT/<variant>-dispatch.json, <variant>-T<tokens>-layer.json.
+#   chunks, comm_sms 0 and 32, --no-baseline), JSON under $OUT/<variant>-dispatch.json and
+#   $OUT/<variant>-T<tokens>-layer.json.
 #   CE_PROBE=1 first runs scripts/gpu_ce_probe.py (copy-engine all-to-all).
 # TOKENS (default 16384): tokens per rank. VARIANTS picks a subset by name; TOTAL_S (default 540) caps the
 # whole sweep, LAYER_S (default 70) one bench layer; a variant that does not fit in what is left is skipped.
