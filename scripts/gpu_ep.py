@@ -11,7 +11,8 @@ if importable, else torch), EP_CHUNKS (bench layer schedules at EP 4, default 1,
 EP_COMM_SMS (default 0,16,32), EP_BIG_TOKENS (a second, GPU-bound size at EP 4, default 65536; empty: skip),
 EP_BIG_CHUNKS (its schedules, default 1,2,1s), EP_AB_SEND=1 (also time EP 4 with SONIC_MEGATRON_EP_SEND=torch),
 EP_LAYER_EP2=0 (skip bench layer at EP 2), EP_LAYER_EXTRA (more bench layer arguments, e.g. "--iters 40"),
-EP_PROFILE=DIR (bench layer at EP 4, both sizes, also runs --profile under DIR; the tables, with the all-to-all time under compute kernels, are copied to $OUT, the traces stay in DIR).
+EP_PROFILE=DIR (bench layer at EP 4, both sizes, also runs --profile under DIR; the tables, with the all-to-all
+time under compute kernels, are copied to $OUT, the traces stay in DIR).
 EP_CHECK_CPU=1 runs the check worker on CPU/gloo at tiny sizes (to test this script:
 ``EP_CHECK_CPU=1 torchrun --nproc_per_node 2 scripts/gpu_ep.py check --out /tmp``).
 
