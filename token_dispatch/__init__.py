@@ -16,6 +16,12 @@ Step-wise, for Megatron's method split (each step its own autograd node, linked 
     y_recv = local_experts(x_recv, scores_recv, w1, w2, plan, activation=..., backend=..., wgrad=...)
     out_TD = combine(y_recv, plan)                     # one row per (token, rank) back; fixed-order sum
 
+Two micro-batches interleaved (the forward of B with the backward of A: each one's all-to-alls travel while
+the other one's kernels run; functional, gradients returned; ``interleave.py``)::
+
+    out_A, fwd_A = ep_forward(x_A, routing_A, w1, w2, group=ep_group, num_experts=E)
+    out_B, fwd_B, grads_A = ep_forward_backward(fwd_A, dout_A, x_B, routing_B, w1, w2, group=ep_group, num_experts=E)
+
 Refinements of the team contract (all contract names work as specified):
   * ``make_plan`` also takes ``num_chunks``, ``by_source`` (stages per (chunk, source rank)) and, optionally,
     ``x_TD``, ``w1_EGD``, ``w2_EDF``,
@@ -29,9 +35,11 @@ Refinements of the team contract (all contract names work as specified):
   * ``redispatch_x_in_backward`` applies to ``expert_parallel_experts``; in the step-wise form
     ``local_experts`` caches the received rows.
 Modules: comm (collectives), validation (header), rounding, plan, exchange (row movement), stepwise,
-layer (pipelined single node), wgrad, launch_count (host-work counter of `bench layer --count-ops`).
+layer (pipelined single node), interleave (micro-batches), wgrad, launch_count (host-work counter of
+`bench layer --count-ops`).
 """
 
+from .interleave import EPForward, EPGrads, ep_backward, ep_forward, ep_forward_backward
 from .layer import expert_parallel_experts
 from .plan import EPPlan, make_plan
 from .rounding import ROUNDING_MODES, RoundingResult, TokenRounding, round_routing
@@ -42,12 +50,17 @@ from .wgrad import DeferredWeightGrad
 __all__ = [
     "ROUNDING_MODES",
     "DeferredWeightGrad",
+    "EPForward",
+    "EPGrads",
     "EPInputError",
     "EPPlan",
     "RoundingResult",
     "TokenRounding",
     "combine",
     "dispatch",
+    "ep_backward",
+    "ep_forward",
+    "ep_forward_backward",
     "expert_parallel_experts",
     "local_experts",
     "make_plan",

@@ -20,6 +20,8 @@ persistent GEMMs otherwise hold every SM until they end and the collective canno
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 
@@ -62,95 +64,148 @@ def _comm_sms(plan: EPPlan, comm_sms: int, overlap: bool, multi_stage_only: bool
     return comm_sms
 
 
+@dataclass
+class _Saved:
+    """What the backward needs from the forward: the received (deduplicated) token rows -- or only the local X
+    with ``redispatch`` -- the received scores, H per stage, and the schedule's settings."""
+
+    x: torch.Tensor
+    s_recv: torch.Tensor
+    hs: list
+    free_sms: tuple[int, int]  # SMs left free by (forward / backward-data GEMMs, weight-gradient GEMMs)
+    eager: bool
+    redispatch: bool
+
+
+def _free_sms(plan: EPPlan, comm_sms: int, overlap: bool, concurrent: bool) -> tuple[int, int]:
+    """(forward and backward-data GEMMs, weight-gradient GEMMs): ``comm_sms`` wherever a collective can be in
+    flight. ``concurrent``: another micro-batch's all-to-alls run beside every GEMM (``interleave.py``)."""
+    return (
+        _comm_sms(plan, comm_sms, overlap, multi_stage_only=not concurrent),
+        _comm_sms(plan, comm_sms, overlap, multi_stage_only=False),
+    )
+
+
+def _forward_steps(x_TD, w1, w2, plan: EPPlan, ops, activation, *, overlap, free_sms, store_h, redispatch):
+    """The forward as a generator of steps: it yields right after launching collectives that its next work
+    waits for (so that the kernels of another micro-batch can run meanwhile: ``interleave.py``; run alone,
+    the yields are no-ops) and returns (out_TD, _Saved)."""
+    S, D, eager = plan.num_stages, x_TD.shape[1], not overlap
+    x_recv = x_TD.new_empty(plan.num_recv_rows, D)
+    metas = plan.recv_meta if eager else None  # no overlap: the pair all-to-alls complete before the rows
+    with record_function("ep.fwd.dispatch_launch"):
+        pend_x = _launch_rows(plan, x_TD, x_recv, eager)
+    # Receive metadata and scores (they came with the plan's pair all-to-alls, launched before the rows):
+    # built while the row all-to-alls are in flight.
+    with record_function("ep.fwd.recv_metadata"):
+        metas = plan.recv_meta
+        s_recv = plan.recv_scores()
+    yield  # the rows are in flight
+    y_send = x_TD.new_empty(plan.num_send_rows, D)
+    pend_y, hs, keep = Pending(eager), [], []
+    for i in range(S):
+        pend_x[i].wait()  # stage i's rows and scores
+        with record_function(f"ep.fwd.experts[{i}]"), ops.reserve_sms(free_sms[0]):
+            o, h = ops.forward(
+                X.recv_rows(plan, x_recv, i), X.recv_pairs(plan, s_recv, i), w1, w2, metas[i], activation, store_h
+            )
+        X.rows_to_sources(plan, o, y_send, i, pend_y)
+        keep.append(o)  # alive until its all-to-all completes
+        hs.append(h)
+    yield  # the combine all-to-alls are in flight
+    pend_y.wait()
+    del keep
+    with record_function("ep.fwd.combine_sum"):
+        out_TD = X.sum_rows_per_token(plan, y_send)
+    # Cache: received (deduplicated) token rows -- or only the local X with redispatch -- H, scores.
+    return out_TD, _Saved(x_TD if redispatch else x_recv, s_recv, hs, free_sms, eager, redispatch)
+
+
+def _backward_steps(grad_TD, saved: _Saved, w1, w2, plan: EPPlan, ops, activation, wgrad, want, scores_like):
+    """The backward as a generator of steps (yields as ``_forward_steps``: after launching the dO all-to-alls,
+    and before the last stage's weight-gradient GEMMs); returns (dx_TD, dscores_R, dw1, dw2).
+    ``want``: which of (dx, dscores, weights) are needed; ``scores_like``: (shape, dtype) of plan.scores_R."""
+    S, D, eager = plan.num_stages, grad_TD.shape[1], saved.eager
+    free_data, free_weights = saved.free_sms
+    want_dx, want_ds, want_w = want
+    grad_TD = grad_TD.contiguous()
+    dO_recv = grad_TD.new_empty(plan.num_recv_rows, D)
+    with record_function("ep.bwd.dispatch_launch"):
+        pend_dO = _launch_rows(plan, grad_TD, dO_recv, eager)
+        if saved.redispatch:
+            x_recv = saved.x.new_empty(plan.num_recv_rows, D)
+            pend_x = _launch_rows(plan, saved.x, x_recv, eager)
+        else:
+            x_recv, pend_x = saved.x, [Pending() for _ in range(S)]
+    yield  # the dO (and X) rows are in flight
+    dx_send = grad_TD.new_empty(plan.num_send_rows, D)
+    ct = torch.promote_types(grad_TD.dtype, torch.float32)
+    ds_send = torch.empty(sum(map(sum, plan.send_pairs)), dtype=ct, device=grad_TD.device)
+    pend_back, keep = Pending(eager), []
+    dws = None
+    for i in range(S):
+        pend_dO[i].wait()
+        pend_x[i].wait()
+        dO, x, meta = X.recv_rows(plan, dO_recv, i), X.recv_rows(plan, x_recv, i), plan.recv_meta[i]
+        with record_function(f"ep.bwd.data[{i}]"), ops.reserve_sms(free_data):
+            dx, ds, (ap, dH) = ops.backward_data(
+                dO, x, saved.hs[i], X.recv_pairs(plan, saved.s_recv, i), w1, w2, meta, activation
+            )
+            ds = ds.to(ct)
+        X.rows_to_sources(plan, dx, dx_send, i, pend_back)
+        X.pairs_to_sources(plan, ds, ds_send, i, pend_back)
+        keep.append((dx, ds))
+        if i == S - 1:
+            yield  # the last stage's dX / dS all-to-alls are in flight
+        if want_w:  # runs while stage i's dX / dS all-to-alls are in flight
+            with record_function(f"ep.bwd.weights[{i}]"), ops.reserve_sms(free_weights):
+                dws = _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, wgrad, dws, S)
+    pend_back.wait()
+    dw1, dw2 = _in_weight_dtype(dws, w1, w2)
+    with record_function("ep.bwd.combine_sum"):
+        dx_TD = X.sum_rows_per_token(plan, dx_send) if want_dx else None
+    ds_R = None
+    if want_ds:
+        shape, dtype = scores_like
+        ds_R = X.scatter_pair_grads(plan, ds_send, torch.empty(shape, dtype=dtype, device=grad_TD.device))
+    return dx_TD, ds_R, dw1, dw2
+
+
+def run_steps(steps):
+    """Run a step generator to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 class _EPExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, scores_R, w1, w2, plan, ops, activation, redispatch, wgrad, overlap, comm_sms):
-        S, D, eager = plan.num_stages, x_TD.shape[1], not overlap
-        free_sms = _comm_sms(plan, comm_sms, overlap, multi_stage_only=True)
-        x_recv = x_TD.new_empty(plan.num_recv_rows, D)
-        metas = plan.recv_meta if eager else None  # no overlap: the pair all-to-alls complete before the rows
-        with record_function("ep.fwd.dispatch_launch"):
-            pend_x = _launch_rows(plan, x_TD, x_recv, eager)
-        # Receive metadata and scores (they came with the plan's pair all-to-alls, launched before the rows):
-        # built while the row all-to-alls are in flight.
-        with record_function("ep.fwd.recv_metadata"):
-            metas = plan.recv_meta
-            s_recv = plan.recv_scores()
+        free_sms = _free_sms(plan, comm_sms, overlap, concurrent=False)
         store_h = any(ctx.needs_input_grad[:4])
-        y_send = x_TD.new_empty(plan.num_send_rows, D)
-        pend_y, hs, keep = Pending(eager), [], []
-        for i in range(S):
-            pend_x[i].wait()  # stage i's rows and scores
-            with record_function(f"ep.fwd.experts[{i}]"), ops.reserve_sms(free_sms):
-                o, h = ops.forward(
-                    X.recv_rows(plan, x_recv, i),
-                    X.recv_pairs(plan, s_recv, i),
-                    w1,
-                    w2,
-                    metas[i],
-                    activation,
-                    store_h,
-                )
-            X.rows_to_sources(plan, o, y_send, i, pend_y)
-            keep.append(o)  # alive until its all-to-all completes
-            hs.append(h)
-        pend_y.wait()
-        del keep
-        with record_function("ep.fwd.combine_sum"):
-            out_TD = X.sum_rows_per_token(plan, y_send)
-        ctx.plan, ctx.ops, ctx.activation = plan, ops, activation
-        ctx.redispatch, ctx.wgrad, ctx.eager = redispatch, wgrad, eager
-        ctx.free_sms = (free_sms, _comm_sms(plan, comm_sms, overlap, multi_stage_only=False))
-        ctx.scores_meta = (scores_R.shape, scores_R.dtype)
-        # Cache: received (deduplicated) token rows -- or only the local X with redispatch -- H, scores.
-        ctx.save_for_backward(x_TD if redispatch else x_recv, s_recv, w1, w2, *hs)
+        steps = _forward_steps(
+            x_TD, w1, w2, plan, ops, activation, overlap=overlap, free_sms=free_sms, store_h=store_h,
+            redispatch=redispatch,
+        )  # fmt: skip
+        out_TD, saved = run_steps(steps)
+        ctx.plan, ctx.ops, ctx.activation, ctx.wgrad = plan, ops, activation, wgrad
+        ctx.saved = dataclasses.replace(saved, x=None, s_recv=None, hs=[])  # tensors go through save_for_backward
+        ctx.scores_like = (scores_R.shape, scores_R.dtype)
+        ctx.save_for_backward(saved.x, saved.s_recv, w1, w2, *saved.hs)
         return out_TD
 
     @staticmethod
     def backward(ctx, grad_TD):
         x_saved, s_recv, w1, w2, *hs = ctx.saved_tensors
-        plan, ops, S = ctx.plan, ctx.ops, ctx.plan.num_stages
-        free_data, free_weights = ctx.free_sms
-        grad_TD = grad_TD.contiguous()
-        D = grad_TD.shape[1]
-        dO_recv = grad_TD.new_empty(plan.num_recv_rows, D)
-        eager = ctx.eager
-        with record_function("ep.bwd.dispatch_launch"):
-            pend_dO = _launch_rows(plan, grad_TD, dO_recv, eager)
-            if ctx.redispatch:
-                x_recv = x_saved.new_empty(plan.num_recv_rows, D)
-                pend_x = _launch_rows(plan, x_saved, x_recv, eager)
-            else:
-                x_recv, pend_x = x_saved, [Pending() for _ in range(S)]
-        dx_send = grad_TD.new_empty(plan.num_send_rows, D)
-        ct = torch.promote_types(grad_TD.dtype, torch.float32)
-        ds_send = torch.empty(sum(map(sum, plan.send_pairs)), dtype=ct, device=grad_TD.device)
-        pend_back, keep = Pending(eager), []
-        want_w = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
-        dws = None
-        for i in range(S):
-            pend_dO[i].wait()
-            pend_x[i].wait()
-            dO, x, meta = X.recv_rows(plan, dO_recv, i), X.recv_rows(plan, x_recv, i), plan.recv_meta[i]
-            with record_function(f"ep.bwd.data[{i}]"), ops.reserve_sms(free_data):
-                dx, ds, (ap, dH) = ops.backward_data(
-                    dO, x, hs[i], X.recv_pairs(plan, s_recv, i), w1, w2, meta, ctx.activation
-                )
-                ds = ds.to(ct)
-            X.rows_to_sources(plan, dx, dx_send, i, pend_back)
-            X.pairs_to_sources(plan, ds, ds_send, i, pend_back)
-            keep.append((dx, ds))
-            if want_w:  # runs while stage i's dX / dS all-to-alls are in flight
-                with record_function(f"ep.bwd.weights[{i}]"), ops.reserve_sms(free_weights):
-                    dws = _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, ctx.wgrad, dws, S)
-        pend_back.wait()
-        dw1, dw2 = _in_weight_dtype(dws, w1, w2)
-        with record_function("ep.bwd.combine_sum"):
-            dx_TD = X.sum_rows_per_token(plan, dx_send) if ctx.needs_input_grad[0] else None
-        ds_R = None
-        if ctx.needs_input_grad[1]:
-            shape, dtype = ctx.scores_meta
-            ds_R = X.scatter_pair_grads(plan, ds_send, torch.empty(shape, dtype=dtype, device=grad_TD.device))
+        saved = dataclasses.replace(ctx.saved, x=x_saved, s_recv=s_recv, hs=hs)
+        need = ctx.needs_input_grad
+        want = (need[0], need[1], need[2] or need[3])
+        steps = _backward_steps(
+            grad_TD, saved, w1, w2, ctx.plan, ctx.ops, ctx.activation, ctx.wgrad, want, ctx.scores_like
+        )
+        dx_TD, ds_R, dw1, dw2 = run_steps(steps)
         return dx_TD, ds_R, dw1, dw2, None, None, None, None, None, None, None
 
 

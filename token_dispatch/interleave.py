@@ -1,0 +1,206 @@
+"""Two micro-batches interleaved: the forward of micro-batch B runs with the backward of micro-batch A, so each
+one's all-to-alls travel while the other one's kernels run (the overlap of DualPipe's forward-backward chunks
+and of Megatron's 1F1B EP overlap, at the level of this package, without autograd).
+
+Shape legend: see ``plan.py``. Within one micro-batch the forward's dispatch and combine have no kernels of
+their own to hide behind (each waits for the other's result); across micro-batches they do. ``ep_forward_backward``
+launches, in this order (every rank the same, so NCCL's one stream per group sees the same sequence):
+
+    A: dO all-to-all (the backward's rows towards the experts)
+    B: plan (its counts all-gather and host copy), dispatch all-to-all, receive metadata
+    A: backward-data GEMMs, dX / dS all-to-alls back          <- while B's rows travel
+    B: experts (up, down, gather-sum), combine all-to-all     <- while A's dX / dS travel
+    A: weight-gradient GEMMs, dX sum                           <- while B's combine travels
+    B: combine sum
+
+Functional API (no autograd graph through the layer; gradients are returned):
+
+    out_A, fwd_A = ep_forward(x_A, routing_A, w1, w2, group=g, num_experts=E)
+    ...
+    out_B, fwd_B, grads_A = ep_forward_backward(fwd_A, dout_A, x_B, routing_B, w1, w2, group=g, num_experts=E)
+    grads_B = ep_backward(fwd_B, dout_B)
+
+``EPGrads.dscores_R`` is the gradient w.r.t. ``fwd.plan.scores_R`` (the routed pairs' scores, with autograd links to
+the router's output), so ``torch.autograd.backward(fwd.plan.scores_R, grads.dscores_R)`` carries it on into the router.
+The results equal ``expert_parallel_experts`` + ``backward`` bitwise (tests/test_token_dispatch_interleave.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.interface import resolve_backend
+from ..kernels.routing import FlatRouting, TopKRouting
+from .layer import _backward_steps, _forward_steps, _free_sms, _Saved, record_function, run_steps
+from .plan import EPPlan, make_plan
+from .rounding import TokenRounding
+
+
+@dataclass
+class EPForward:
+    """A forward's state for its backward (``ep_backward`` / ``ep_forward_backward``)."""
+
+    plan: EPPlan
+    ops: object
+    activation: str
+    saved: _Saved
+    w1_EGD: torch.Tensor
+    w2_EDF: torch.Tensor
+    comm_sms: int
+
+
+@dataclass
+class EPGrads:
+    """Gradients of one micro-batch: w.r.t. its x_TD, ``plan.scores_R``, w1 and w2."""
+
+    dx_TD: torch.Tensor
+    dscores_R: torch.Tensor
+    dw1_EGD: torch.Tensor
+    dw2_EDF: torch.Tensor
+
+
+def _plan(x_TD, routing, w1_EGD, w2_EDF, group, num_experts, activation, rounding, rounding_scores_TE, num_chunks):
+    with record_function("ep.plan"):
+        return make_plan(
+            routing,
+            num_experts=num_experts,
+            group=group,
+            rounding=rounding,
+            rounding_scores_TE=rounding_scores_TE,
+            num_chunks=num_chunks,
+            x_TD=x_TD,
+            w1_EGD=w1_EGD,
+            w2_EDF=w2_EDF,
+            activation=activation,
+        )
+
+
+def _forward(plan, x_TD, w1_EGD, w2_EDF, ops, activation, overlap, comm_sms, concurrent, redispatch):
+    steps = _forward_steps(
+        x_TD.contiguous(),
+        w1_EGD,
+        w2_EDF,
+        plan,
+        ops,
+        activation,
+        overlap=overlap,
+        free_sms=_free_sms(plan, comm_sms, overlap, concurrent=concurrent),
+        store_h=True,
+        redispatch=redispatch,
+    )
+    return steps
+
+
+def _backward(fwd: EPForward, grad_TD: torch.Tensor, concurrent: bool):
+    """fwd's backward steps; ``concurrent``: its GEMMs run beside another micro-batch's all-to-alls."""
+    scores = fwd.plan.scores_R
+    free_sms = _free_sms(fwd.plan, fwd.comm_sms, not fwd.saved.eager, concurrent=concurrent)
+    return _backward_steps(
+        grad_TD,
+        dataclasses.replace(fwd.saved, free_sms=free_sms),
+        fwd.w1_EGD,
+        fwd.w2_EDF,
+        fwd.plan,
+        fwd.ops,
+        fwd.activation,
+        None,
+        (True, True, True),
+        (scores.shape, scores.dtype),
+    )
+
+
+def _check_comm_sms(comm_sms) -> None:
+    if not isinstance(comm_sms, int) or comm_sms < 0:
+        raise ValueError(f"comm_sms must be an int >= 0, got {comm_sms!r}")
+
+
+def ep_forward(
+    x_TD: torch.Tensor,
+    routing: TopKRouting | FlatRouting,
+    w1_EGD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    *,
+    group=None,
+    num_experts: int,
+    activation: str = "swiglu",
+    backend: str = "auto",
+    rounding: TokenRounding | None = None,
+    rounding_scores_TE: torch.Tensor | None = None,
+    num_chunks: int = 1,
+    comm_sms: int = 0,
+    redispatch_x_in_backward: bool = False,
+    overlap: bool = True,
+) -> tuple[torch.Tensor, EPForward]:
+    """The expert-parallel experts forward of one micro-batch without autograd: (out_TD, state for the
+    backward). Arguments as ``expert_parallel_experts`` (``comm_sms``: SMs the GEMMs leave free for the
+    all-to-alls in flight)."""
+    _check_comm_sms(comm_sms)
+    ops = resolve_backend(backend, x_TD.device)
+    # The plan outside no_grad: its scores_R keeps the autograd link to the router (EPGrads.dscores_R's target).
+    plan = _plan(
+        x_TD, routing, w1_EGD, w2_EDF, group, num_experts, activation, rounding, rounding_scores_TE, num_chunks
+    )
+    steps = _forward(plan, x_TD, w1_EGD, w2_EDF, ops, activation, overlap, comm_sms, False, redispatch_x_in_backward)
+    with torch.no_grad():
+        out_TD, saved = run_steps(steps)
+    return out_TD, EPForward(plan, ops, activation, saved, w1_EGD, w2_EDF, comm_sms)
+
+
+def ep_backward(fwd: EPForward, grad_TD: torch.Tensor) -> EPGrads:
+    """The backward of ``fwd`` for the output gradient ``grad_TD``: its gradients (nothing is accumulated)."""
+    with torch.no_grad():
+        return EPGrads(*run_steps(_backward(fwd, grad_TD, concurrent=False)))
+
+
+def ep_forward_backward(
+    prev: EPForward,
+    grad_prev_TD: torch.Tensor,
+    x_TD: torch.Tensor,
+    routing: TopKRouting | FlatRouting,
+    w1_EGD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    *,
+    group=None,
+    num_experts: int,
+    activation: str = "swiglu",
+    backend: str = "auto",
+    rounding: TokenRounding | None = None,
+    rounding_scores_TE: torch.Tensor | None = None,
+    num_chunks: int = 1,
+    comm_sms: int = 0,
+    redispatch_x_in_backward: bool = False,
+    overlap: bool = True,
+) -> tuple[torch.Tensor, EPForward, EPGrads]:
+    """The backward of micro-batch ``prev`` (output gradient ``grad_prev_TD``) interleaved with the forward of
+    the next micro-batch (the remaining arguments, as ``ep_forward``): (out_TD, its state, prev's gradients).
+    Each one's all-to-alls are in flight while the other one's kernels run (module docstring); the GEMMs leave
+    ``comm_sms`` SMs free for them. Results equal ``ep_backward(prev, ...)`` then ``ep_forward(...)``, bitwise.
+    ``prev`` and this micro-batch must use the same group (the weights may differ, e.g. another layer's)."""
+    _check_comm_sms(comm_sms)
+    ops = resolve_backend(backend, x_TD.device)
+    bwd = _backward(prev, grad_prev_TD, concurrent=True)  # prev's GEMMs leave prev.comm_sms SMs free
+    with torch.no_grad():
+        next(bwd)  # prev's dO rows are in flight while this micro-batch plans
+    plan = _plan(
+        x_TD, routing, w1_EGD, w2_EDF, group, num_experts, activation, rounding, rounding_scores_TE, num_chunks
+    )
+    fwd = _forward(plan, x_TD, w1_EGD, w2_EDF, ops, activation, overlap, comm_sms, True, redispatch_x_in_backward)
+    with torch.no_grad():
+        (out_TD, saved), grads = _alternate(fwd, bwd)
+    return out_TD, EPForward(plan, ops, activation, saved, w1_EGD, w2_EDF, comm_sms), EPGrads(*grads)
+
+
+def _alternate(first, second):
+    """Advance two step generators in turn, ``first`` first, until both end; their results (first, second)."""
+    steps, results, live = [first, second], [None, None], [True, True]
+    while any(live):
+        for k in (0, 1):
+            if live[k]:
+                try:
+                    next(steps[k])
+                except StopIteration as done:
+                    results[k], live[k] = done.value, False
+    return results[0], results[1]
