@@ -54,6 +54,14 @@ def test_no_layer_a2a_skips_the_layer_exchanges_and_restores_them():
         assert skipped and restored
 
 
+def test_schedule_entries():
+    assert [B._schedule(t) for t in ("1", "2s", " 4i ")] == [(1, ""), (2, "s"), (4, "i")]
+    assert B._label((2, "i")) == "2i"
+    for bad in ("0", "i", "2x", "1si"):
+        with pytest.raises(SystemExit, match="--chunks"):
+            B._schedule(bad)
+
+
 def test_paired_difference_is_the_median_of_per_round_differences():
     # blocks drift (round 3 is slow for both variants); the paired median ignores the drift
     on, none = [5.0, 5.1, 9.0, 5.0, 5.2], [4.0, 4.0, 8.1, 4.1, 4.0]
@@ -72,7 +80,7 @@ def _bench_layer_worker(rank, world_size, path):
     destroy = B.dist.destroy_process_group
     B.dist.destroy_process_group = lambda *a, **k: None  # the test harness owns the group
     try:
-        B.run(parser.parse_args([*common, "--chunks", "1,2", "--comm-sms", "0,8", "--json", path]))
+        B.run(parser.parse_args([*common, "--chunks", "1,2,1i", "--comm-sms", "0,8", "--json", path]))
     finally:
         B.dist.destroy_process_group = destroy
     return True
@@ -87,7 +95,7 @@ def test_bench_layer_on_cpu_times_every_variant_interleaved(tmp_path):
         result = json.load(f)
     rows = result["rows"]
     assert result["timing"].startswith("interleaved: 3 rounds")
-    for chunks in ("1", "2"):
+    for chunks in ("1", "2", "1i"):
         mine = [r for r in rows if r["chunks"] == chunks]
         # overlap on for comm_sms 0 and 8, overlap off, no a2a
         assert [(r["overlap"], r["comm_sms"]) for r in mine] == [(True, 0), (True, 8), (False, 0), ("no a2a", 0)]
@@ -96,3 +104,5 @@ def test_bench_layer_on_cpu_times_every_variant_interleaved(tmp_path):
         for r in mine[:2]:
             assert 0.0 <= r["a2a_hidden"] <= 1.0 and 0.0 <= r["overlap_gain"] <= 1.0
             assert r["bitwise"] and r["rel_diff_out"] < 1e-5
+            # the interleaved micro-batches compute exactly what the one-chunk autograd path computes
+            assert r["bitwise_vs_first"] or chunks != "1i"

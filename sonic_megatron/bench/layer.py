@@ -6,9 +6,11 @@
 Providers (same routing, same weights, bf16):
   * ``ours`` -- ``token_dispatch.expert_parallel_experts`` (dedup dispatch, kernels/ experts, overlap of the
     dW GEMMs with the backward all-to-all), for each ``--chunks`` schedule (``N``: N token chunks; ``Ns``:
-    N chunks each split by source rank, ``by_source``), with overlap for each ``--comm-sms`` value (SMs the
-    GEMMs leave free while an all-to-all is in flight) and without overlap (``overlap=False`` waits for each
-    all-to-all at once: same bits, no hiding; all SMs to the GEMMs);
+    N chunks each split by source rank, ``by_source``; ``Ni``: N chunks, two micro-batches interleaved --
+    each call runs the forward of a micro-batch with the backward of the previous one,
+    ``token_dispatch.ep_forward_backward``, so a call is still one forward and one backward), with overlap
+    for each ``--comm-sms`` value (SMs the GEMMs leave free while an all-to-all is in flight) and without
+    overlap (``overlap=False`` waits for each all-to-all at once: same bits, no hiding; all SMs to the GEMMs);
   * ``megatron`` -- Megatron-core's ``MoEAlltoAllTokenDispatcher`` (unfused permute) + an experts module of
     two ``torch._grouped_mm`` calls with SwiGLU and the probs applied after the activation (Megatron's
     GroupedMLP order); autograd backward.
@@ -33,7 +35,8 @@ time during which a compute kernel runs on the GPU, from the trace), which count
 ``host_ms`` is the time until the Python call (forward + backward) returns, before the final device sync.
 ``rel_diff_out`` / ``rel_diff_dx``: max relative difference of the output / dX against the first
 ``--chunks`` value (a check of the chunk plumbing; chunking only changes dW's rounding).
-``bitwise`` says whether the output and all gradients with overlap equal those without, bit for bit.
+``bitwise`` says whether the output and all gradients with overlap equal those without, bit for bit;
+``bitwise_vs_first`` whether they equal those of the first ``--chunks`` schedule (expected for ``Ni`` after ``N``).
 ``--count-ops`` replaces the timing by a count of ours' host work (``token_dispatch/launch_count.py``), per
 chunk count: would-be kernel launches, collectives and host syncs of ``make_plan`` alone, of the forward
 (plan included) and of the backward; the forward's launches between the plan's last host sync and the first
@@ -65,8 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chunks",
         default="1,2",
-        help="comma-separated pipeline schedules for ours: num_chunks N, or Ns for N chunks split by source rank "
-        "(by_source: own rows first, then one exchange per peer); default 1,2",
+        help="comma-separated pipeline schedules for ours: num_chunks N, Ns for N chunks split by source rank "
+        "(by_source: own rows first, then one exchange per peer), or Ni for N chunks with two micro-batches "
+        "interleaved (the forward of one with the backward of the previous one); default 1,2",
     )
     parser.add_argument(
         "--comm-sms",
@@ -228,18 +232,22 @@ def _a2a_alone(plan, x, device):
     return fn
 
 
-def _schedule(text: str) -> tuple[int, bool]:
-    """``--chunks`` entry: ``N`` (token chunks) or ``Ns`` (N chunks, each split by source rank)."""
+SCHEDULE_KINDS = ("", "s", "i")  # token chunks, by source, two micro-batches interleaved
+
+
+def _schedule(text: str) -> tuple[int, str]:
+    """``--chunks`` entry: ``N`` (token chunks), ``Ns`` (N chunks, each split by source rank) or ``Ni`` (N
+    chunks, two micro-batches interleaved): (N, kind)."""
     t = text.strip()
-    by_source = t.endswith("s")
-    n = t[:-1] if by_source else t
+    kind = t[-1:] if t[-1:] in ("s", "i") else ""
+    n = t[: len(t) - len(kind)]
     if not n.isdigit() or int(n) < 1:
-        raise SystemExit(f"--chunks: each entry must be N or Ns with N >= 1 (e.g. 1,2,1s), got {text!r}")
-    return int(n), by_source
+        raise SystemExit(f"--chunks: each entry must be N, Ns or Ni with N >= 1 (e.g. 1,2,1s,1i), got {text!r}")
+    return int(n), kind
 
 
-def _label(sched: tuple[int, bool]) -> str:
-    return f"{sched[0]}{'s' if sched[1] else ''}"
+def _label(sched: tuple[int, str]) -> str:
+    return f"{sched[0]}{sched[1]}"
 
 
 @contextlib.contextmanager
@@ -455,7 +463,7 @@ def _count_ops(layer_call, plan_call, grad, chunk_list) -> list[dict]:
 
 def run(args) -> int:
     from ..kernels import TopKRouting
-    from ..token_dispatch import expert_parallel_experts, make_plan
+    from ..token_dispatch import ep_forward, ep_forward_backward, expert_parallel_experts, make_plan
 
     device, group = setup_distributed(args)
     rank, P = dist.get_rank(), dist.get_world_size()
@@ -472,7 +480,9 @@ def run(args) -> int:
     results, outputs = [], {}
 
     def ours(sched, overlap, comm_sms=0):
-        chunks, by_source = sched
+        chunks, kind = sched
+        if kind == "i":
+            return interleaved(chunks, overlap, comm_sms)
 
         def fn():
             out = expert_parallel_experts(
@@ -484,11 +494,28 @@ def run(args) -> int:
                 num_experts=E,
                 backend=args.backend,
                 num_chunks=chunks,
-                by_source=by_source,
+                by_source=kind == "s",
                 comm_sms=comm_sms,
                 overlap=overlap,
             )
             out.backward(grad)
+            return out
+
+        return fn
+
+    def interleaved(chunks, overlap, comm_sms):
+        """A call: the forward of a micro-batch with the backward of the previous one (the first call also
+        runs the first forward). Same tokens every time; gradients accumulate into .grad as autograd's do."""
+        kw = dict(group=group, num_experts=E, backend=args.backend, num_chunks=chunks, comm_sms=comm_sms)
+        kw.update(overlap=overlap)
+        state = []
+
+        def fn():
+            if not state:
+                state.append(ep_forward(x, routing, w1, w2, **kw)[1])
+            out, state[0], g = ep_forward_backward(state[0], grad, x, routing, w1, w2, **kw)
+            for t, d in ((x, g.dx_TD), (scores, g.dscores_R.view_as(scores)), (w1, g.dw1_EGD), (w2, g.dw2_EDF)):
+                t.grad = d if t.grad is None else t.grad.add_(d)
             return out
 
         return fn
@@ -504,8 +531,8 @@ def run(args) -> int:
     if any(v < 0 for v in sms_list):
         raise SystemExit(f"--comm-sms: SM counts must be >= 0, got {args.comm_sms!r}")
     chunk_list = [c for c, _ in sched_list]
-    if args.count_ops and any(b for _, b in sched_list):
-        raise SystemExit("--count-ops counts token-chunk schedules only (entries N, not Ns)")
+    if args.count_ops and any(k for _, k in sched_list):
+        raise SystemExit("--count-ops counts token-chunk schedules only (entries N, not Ns or Ni)")
     if args.count_ops:
 
         def layer_call(chunks):
@@ -543,7 +570,7 @@ def run(args) -> int:
             profiler(fn, _label(sched), args.profile_steps, out_dir, rank, device)
     t_a2a = {}
     for sched in sched_list:
-        chunks, by_source = sched
+        chunks, kind = sched
         ref = grads_of(ours(sched, False))
         same = all(torch.equal(a, b) for a, b in zip(ref, grads_of(ours(sched, True, max(sms_list))), strict=True))
         # Sanity of the stage metadata: output and dX against the first schedule (max relative diff).
@@ -552,11 +579,13 @@ def run(args) -> int:
             (a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-6)
             for a, b in zip(ref[:2], first[:2], strict=True)
         ]
-        flag = torch.stack([torch.tensor(0.0 if same else 1.0, device=device), *[r.to(device) for r in rel]])
+        as_first = all(torch.equal(a, b) for a, b in zip(ref, first, strict=True))  # output and every gradient
+        flags = [0.0 if same else 1.0, 0.0 if as_first else 1.0]
+        flag = torch.stack([*torch.tensor(flags, device=device), *[r.to(device) for r in rel]])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         # Interleaved rounds: overlap on (each comm_sms), overlap off, the layer without its all-to-alls, and the
         # all-to-alls alone (same plan), each once per round.
-        plan = make_plan(routing, num_experts=E, group=group, x_TD=x0, num_chunks=chunks, by_source=by_source)
+        plan = make_plan(routing, num_experts=E, group=group, x_TD=x0, num_chunks=chunks, by_source=kind == "s")
         none = contextlib.nullcontext
         variants = {("on", v): (ours(sched, True, v), none) for v in sms_list}
         variants[("off", 0)] = (ours(sched, False), none)
@@ -576,8 +605,8 @@ def run(args) -> int:
                 row["a2a_hidden"] = max(0.0, min(1.0, 1 - exposed / t_c)) if t_c > 0 else None
                 row["overlap_gain"] = max(0.0, min(1.0, gain / t_c)) if t_c > 0 else None
             if overlap != "no a2a":
-                row.update(bitwise=bool(flag[0].item() == 0.0))
-                row.update(rel_diff_out=float(flag[1]), rel_diff_dx=float(flag[2]))
+                row.update(bitwise=bool(flag[0].item() == 0.0), bitwise_vs_first=bool(flag[1].item() == 0.0))
+                row.update(rel_diff_out=float(flag[2]), rel_diff_dx=float(flag[3]))
             results.append(row)
             if rank == 0:
                 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
@@ -622,7 +651,7 @@ def run(args) -> int:
         print(f"bench layer: P={P} T={T} d={D} n={Fn} E={E} K={K} {args.dtype} on {device.type}")
         cols = ["provider", "chunks", "comm_sms", "overlap", "ms", "host_ms", "tokens_per_s", "a2a_alone_ms"]
         cols += ["a2a_exposed_ms", "a2a_hidden", "overlap_gain"]
-        print_table(results, cols + ["bitwise", "rel_diff_out", "rel_diff_dx"])
+        print_table(results, cols + ["bitwise", "bitwise_vs_first", "rel_diff_out", "rel_diff_dx"])
         print(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
         if baseline_error:
             print(f"megatron baseline failed: {baseline_error}")
