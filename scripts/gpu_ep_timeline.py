@@ -25,14 +25,13 @@ import shutil
 import statistics
 import time
 
-import torch
-import torch.distributed as dist
-
 import sonic_megatron.token_dispatch.comm as comm_mod
 import sonic_megatron.token_dispatch.exchange as ex_mod
 import sonic_megatron.token_dispatch.layer as layer_mod
 import sonic_megatron.token_dispatch.plan as plan_mod
 import sonic_megatron.token_dispatch.validation as val_mod
+import torch
+import torch.distributed as dist
 from sonic_megatron.kernels import TopKRouting
 from sonic_megatron.kernels.interface import resolve_backend
 
@@ -124,8 +123,19 @@ def one_step(fn) -> list[tuple]:
     _sync()
     h_done = time.perf_counter()
     rec, REC = REC, None
-    rows = [(n, (h0 - h_start) * 1e3, (h1 - h0) * 1e3, e_start.elapsed_time(e0), e_start.elapsed_time(e1)) for n, h0, h1, e0, e1 in rec]
-    rows.append(("STEP (host return / gpu end / wall)", (h_ret - h_start) * 1e3, 0.0, e_start.elapsed_time(e_end), (h_done - h_start) * 1e3))
+    rows = [
+        (n, (h0 - h_start) * 1e3, (h1 - h0) * 1e3, e_start.elapsed_time(e0), e_start.elapsed_time(e1))
+        for n, h0, h1, e0, e1 in rec
+    ]
+    rows.append(
+        (
+            "STEP (host return / gpu end / wall)",
+            (h_ret - h_start) * 1e3,
+            0.0,
+            e_start.elapsed_time(e_end),
+            (h_done - h_start) * 1e3,
+        )
+    )
     rows.sort(key=lambda r: r[1])
     return rows
 
@@ -211,7 +221,12 @@ def main() -> int:
     for c in [int(s) for s in args.schedules.split(",")]:
         variants.append((f"chunks {c} overlap on", step_fn(c), contextlib.nullcontext))
         variants.append((f"chunks {c} no a2a", step_fn(c), no_row_a2a))
-    report: dict = {"tag": args.tag, "P": P, "config": [T, D, F, E, K], "env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_NCCL", "PYTORCH_CUDA"))}}
+    report: dict = {
+        "tag": args.tag,
+        "P": P,
+        "config": [T, D, F, E, K],
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_NCCL", "PYTORCH_CUDA"))},
+    }
     for title, fn, ctx in variants:
         with ctx():
             for _ in range(5):
@@ -220,7 +235,10 @@ def main() -> int:
             m0 = torch.cuda.memory_stats() if CUDA else {}
             steps = [one_step(fn) for _ in range(args.steps)]
             m1 = torch.cuda.memory_stats() if CUDA else {}
-        mem = {k: (m1.get(k, 0) - m0.get(k, 0)) / args.steps for k in ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")}
+        mem = {
+            k: (m1.get(k, 0) - m0.get(k, 0)) / args.steps
+            for k in ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+        }
         rows = summarize(steps)
         report[title] = {"phases": rows, "alloc_per_step": mem}
         if rank == 0:
