@@ -9,7 +9,8 @@ monkeypatching, the library is unchanged) records its host enter/exit times and 
 the current stream. Per phase, rank 0 prints medians over the steps of: host start and duration, and the GPU
 time at which the stream reached the phase's start and end (ms from the step start; the device is idle then).
 ``gpu lag`` = GPU start - host start: about 0 means the GPU waited for the host there (host-bound), larger means
-queued work. Variants: overlap on (each schedule), and the same without the layer's row all-to-alls (``no a2a``).
+queued work. Variants: overlap on (each schedule: N chunks, or Ni = two micro-batches interleaved), and the same
+without the layer's row all-to-alls (``no a2a``).
 Also: the caching allocator's device allocs/frees and retries per step, and one torch.profiler Chrome trace
 (rank 0, 2 steps, overlap on, first schedule) under --out.
 """
@@ -27,6 +28,7 @@ import time
 
 import sonic_megatron.token_dispatch.comm as comm_mod
 import sonic_megatron.token_dispatch.exchange as ex_mod
+import sonic_megatron.token_dispatch.interleave as inter_mod
 import sonic_megatron.token_dispatch.layer as layer_mod
 import sonic_megatron.token_dispatch.plan as plan_mod
 import sonic_megatron.token_dispatch.validation as val_mod
@@ -80,6 +82,7 @@ def _wrap(owner, attr: str, name: str) -> None:
 
 def instrument(ops) -> None:
     _wrap(layer_mod, "make_plan", "plan")
+    _wrap(inter_mod, "make_plan", "plan")
     _wrap(plan_mod, "_build_send_side", "plan.send_side")
     _wrap(plan_mod, "all_gather", "plan.counts_all_gather")
     _wrap(val_mod, "check_headers", "plan.after_sync(check_headers)")
@@ -217,10 +220,23 @@ def main() -> int:
 
         return fn
 
+    def interleaved_fn(chunks: int):
+        """The forward of a micro-batch with the backward of the previous one (``ep_forward_backward``)."""
+        kw = dict(group=dist.group.WORLD, num_experts=E, num_chunks=chunks, comm_sms=args.comm_sms)
+        state = []
+
+        def fn():
+            if not state:
+                state.append(inter_mod.ep_forward(x, routing, w1, w2, **kw)[1])
+            state[0] = inter_mod.ep_forward_backward(state[0], grad, x, routing, w1, w2, **kw)[1]
+
+        return fn
+
     variants = []
-    for c in [int(s) for s in args.schedules.split(",")]:
-        variants.append((f"chunks {c} overlap on", step_fn(c), contextlib.nullcontext))
-        variants.append((f"chunks {c} no a2a", step_fn(c), no_row_a2a))
+    for sched in args.schedules.split(","):
+        c, make = (int(sched[:-1]), interleaved_fn) if sched.endswith("i") else (int(sched), step_fn)
+        variants.append((f"schedule {sched} overlap on", make(c), contextlib.nullcontext))
+        variants.append((f"schedule {sched} no a2a", make(c), no_row_a2a))
     report: dict = {
         "tag": args.tag,
         "P": P,
