@@ -11,8 +11,8 @@ time at which the stream reached the phase's start and end (ms from the step sta
 ``gpu lag`` = GPU start - host start: about 0 means the GPU waited for the host there (host-bound), larger means
 queued work. Variants: overlap on (each schedule: N chunks, or Ni = two micro-batches interleaved), and the same
 without the layer's row all-to-alls (``no a2a``).
-Also: the caching allocator's device allocs/frees and retries per step, and one torch.profiler Chrome trace
-(rank 0, 2 steps, overlap on, first schedule) under --out.
+Also: the caching allocator's device allocs/frees and retries per step; under --out, every rank's phase table
+(JSON) and a torch.profiler Chrome trace of 2 steps of the first schedule, overlap on.
 """
 
 from __future__ import annotations
@@ -185,7 +185,12 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--tag", default=os.environ.get("TIMELINE_TAG", "default"))
+    p.add_argument("--bind-cores", action="store_true", help="pin each rank to its own physical cores")
     args = p.parse_args()
+    if args.bind_cores:
+        from sonic_megatron.bench.cpus import bind_local_rank
+
+        bind_local_rank()
     local = int(os.environ.get("LOCAL_RANK", 0))
     if CUDA:
         device = torch.device("cuda", local)
@@ -259,7 +264,7 @@ def main() -> int:
         report[title] = {"phases": rows, "alloc_per_step": mem}
         if rank == 0:
             print_rows(f"{args.tag}: {title} (rank 0, medians of {args.steps} steps; allocator per step {mem})", rows)
-    # One Chrome trace of the first schedule, overlap on (rank 0).
+    # A Chrome trace of the first schedule, overlap on (every rank).
     from torch.profiler import ProfilerActivity, profile
 
     fn = variants[0][1]
@@ -269,15 +274,14 @@ def main() -> int:
         for _ in range(2):
             fn()
         _sync()
-    if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        tmp = os.path.join(args.out, f"trace_{args.tag}.json")
-        prof.export_chrome_trace(tmp)
-        with open(tmp, "rb") as f, gzip.open(tmp + ".gz", "wb") as z:
-            shutil.copyfileobj(f, z)
-        os.remove(tmp)
-        with open(os.path.join(args.out, f"timeline_{args.tag}.json"), "w") as f:
-            json.dump(report, f, indent=1)
+    os.makedirs(args.out, exist_ok=True)
+    tmp = os.path.join(args.out, f"trace_{args.tag}_rank{rank}.json")
+    prof.export_chrome_trace(tmp)
+    with open(tmp, "rb") as f, gzip.open(tmp + ".gz", "wb") as z:
+        shutil.copyfileobj(f, z)
+    os.remove(tmp)
+    with open(os.path.join(args.out, f"timeline_{args.tag}_rank{rank}.json"), "w") as f:
+        json.dump(report, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
     return 0
