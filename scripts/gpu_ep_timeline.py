@@ -185,12 +185,7 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--tag", default=os.environ.get("TIMELINE_TAG", "default"))
-    p.add_argument("--bind-cores", action="store_true", help="pin each rank to its own physical cores")
     args = p.parse_args()
-    if args.bind_cores:
-        from sonic_megatron.bench.cpus import bind_local_rank
-
-        bind_local_rank()
     local = int(os.environ.get("LOCAL_RANK", 0))
     if CUDA:
         device = torch.device("cuda", local)

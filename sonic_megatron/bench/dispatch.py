@@ -42,12 +42,6 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations (default 3)")
     parser.add_argument("--iters", type=int, default=10, help="timed iterations, median reported (default 10)")
     parser.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
-    parser.add_argument(
-        "--bind-cores",
-        action="store_true",
-        help="pin each local rank to its own physical CPU cores (an equal share of the cpus the process may use; "
-        "the host-bound EP layer waits for its slowest rank, and ranks sharing a core run slower)",
-    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,10 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def setup_distributed(args) -> tuple[torch.device, object]:
     """Init the default group from torchrun's environment (NCCL on GPUs, gloo on CPUs); (device, group)."""
-    if getattr(args, "bind_cores", False):
-        from .cpus import bind_local_rank
-
-        bind_local_rank()  # before CUDA and NCCL start their threads, so that those inherit the binding
     use_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
