@@ -135,8 +135,8 @@ def ep_forward(
     overlap: bool = True,
 ) -> tuple[torch.Tensor, EPForward]:
     """The expert-parallel experts forward of one micro-batch without autograd: (out_TD, state for the
-    backward). Arguments as ``expert_parallel_experts`` (``comm_sms``: SMs the GEMMs leave free for the
-    all-to-alls in flight)."""
+    backward; it keeps H and the received rows, as the autograd path does in training). Arguments as
+    ``expert_parallel_experts`` (``comm_sms``: SMs the GEMMs leave free for the all-to-alls in flight)."""
     _check_comm_sms(comm_sms)
     ops = resolve_backend(backend, x_TD.device)
     # The plan outside no_grad: its scores_R keeps the autograd link to the router (EPGrads.dscores_R's target).

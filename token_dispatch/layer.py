@@ -15,6 +15,9 @@ Async collectives need no private streams: NCCL orders each one after the curren
 ``wait()`` orders the current stream after it, so the schedule is race-free under repetition.
 GEMMs that run while a collective is in flight leave ``comm_sms`` SMs free (``ops.reserve_sms``): QuACK's
 persistent GEMMs otherwise hold every SM until they end and the collective cannot start (kernels/cute/sm_budget.py).
+Forward and backward are written as step generators (``_forward_steps``, ``_backward_steps``) that yield right
+after launching collectives their next kernels wait for: the autograd node runs each to its end
+(``run_steps``); ``interleave.py`` alternates a forward with another micro-batch's backward.
 """
 
 from __future__ import annotations
@@ -69,8 +72,8 @@ class _Saved:
     """What the backward needs from the forward: the received (deduplicated) token rows -- or only the local X
     with ``redispatch`` -- the received scores, H per stage, and the schedule's settings."""
 
-    x: torch.Tensor
-    s_recv: torch.Tensor
+    x: torch.Tensor | None  # None inside the autograd context (the tensors go through save_for_backward)
+    s_recv: torch.Tensor | None
     hs: list
     free_sms: tuple[int, int]  # SMs left free by (forward / backward-data GEMMs, weight-gradient GEMMs)
     eager: bool
@@ -185,11 +188,8 @@ class _EPExperts(torch.autograd.Function):
     def forward(ctx, x_TD, scores_R, w1, w2, plan, ops, activation, redispatch, wgrad, overlap, comm_sms):
         free_sms = _free_sms(plan, comm_sms, overlap, concurrent=False)
         store_h = any(ctx.needs_input_grad[:4])
-        steps = _forward_steps(
-            x_TD, w1, w2, plan, ops, activation, overlap=overlap, free_sms=free_sms, store_h=store_h,
-            redispatch=redispatch,
-        )  # fmt: skip
-        out_TD, saved = run_steps(steps)
+        kw = dict(overlap=overlap, free_sms=free_sms, store_h=store_h, redispatch=redispatch)
+        out_TD, saved = run_steps(_forward_steps(x_TD, w1, w2, plan, ops, activation, **kw))
         ctx.plan, ctx.ops, ctx.activation, ctx.wgrad = plan, ops, activation, wgrad
         ctx.saved = dataclasses.replace(saved, x=None, s_recv=None, hs=[])  # tensors go through save_for_backward
         ctx.scores_like = (scores_R.shape, scores_R.dtype)
