@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from _dist import run_distributed
 from sonic_megatron.token_dispatch import ep_backward, ep_forward, ep_forward_backward, expert_parallel_experts
-from test_token_dispatch import _leaves, build_routing, global_case
+from test_token_dispatch import D, _leaves, build_routing, global_case
 
 
 def _micro_batches(kind: str, P: int):
@@ -134,3 +134,17 @@ def test_bad_comm_sms():
     off, T, x, logits, w1, w2 = _leaves(a, 0, 1, torch.float64)
     with pytest.raises(ValueError, match="comm_sms must be an int >= 0"):
         ep_forward(x, build_routing(a, logits, off, T), w1, w2, num_experts=a["E"], backend="torch", comm_sms=-1)
+
+
+def test_bad_state_or_gradient():
+    a, b = _micro_batches("random", 1)
+    off, T, x, logits, w1, w2 = _leaves(a, 0, 1, torch.float64)
+    kw = dict(num_experts=a["E"], backend="torch")
+    routing = build_routing(a, logits, off, T)
+    _, fwd = ep_forward(x, routing, w1, w2, **kw)
+    with pytest.raises(TypeError, match="prev must be the EPForward"):
+        ep_forward_backward(None, a["grad"], x, routing, w1, w2, **kw)
+    with pytest.raises(ValueError, match=rf"output gradient of prev must be a tensor of shape \({T}, {D}\)"):
+        ep_forward_backward(fwd, a["grad"][:, :3], x, routing, w1, w2, **kw)
+    with pytest.raises(ValueError, match="output gradient of fwd"):
+        ep_backward(fwd, a["grad"][1:])

@@ -117,6 +117,16 @@ def _check_comm_sms(comm_sms) -> None:
         raise ValueError(f"comm_sms must be an int >= 0, got {comm_sms!r}")
 
 
+def _check_backward_args(fwd, grad_TD, name: str) -> None:
+    """The state is one ``ep_forward`` / ``ep_forward_backward`` returned, and the gradient matches its output."""
+    if not isinstance(fwd, EPForward):
+        raise TypeError(f"{name} must be the EPForward returned by ep_forward / ep_forward_backward, got {type(fwd)}")
+    want = (fwd.plan.num_tokens, fwd.w2_EDF.shape[1])
+    if not isinstance(grad_TD, torch.Tensor) or tuple(grad_TD.shape) != want:
+        got = tuple(grad_TD.shape) if isinstance(grad_TD, torch.Tensor) else type(grad_TD)
+        raise ValueError(f"the output gradient of {name} must be a tensor of shape {want} (its output's), got {got}")
+
+
 def ep_forward(
     x_TD: torch.Tensor,
     routing: TopKRouting | FlatRouting,
@@ -151,6 +161,7 @@ def ep_forward(
 
 def ep_backward(fwd: EPForward, grad_TD: torch.Tensor) -> EPGrads:
     """The backward of ``fwd`` for the output gradient ``grad_TD``: its gradients (nothing is accumulated)."""
+    _check_backward_args(fwd, grad_TD, "fwd")
     with torch.no_grad():
         return EPGrads(*run_steps(_backward(fwd, grad_TD, concurrent=False)))
 
@@ -180,6 +191,7 @@ def ep_forward_backward(
     ``comm_sms`` SMs free for them. Results equal ``ep_backward(prev, ...)`` then ``ep_forward(...)``, bitwise.
     ``prev`` and this micro-batch must use the same group (the weights may differ, e.g. another layer's)."""
     _check_comm_sms(comm_sms)
+    _check_backward_args(prev, grad_prev_TD, "prev")
     ops = resolve_backend(backend, x_TD.device)
     bwd = _backward(prev, grad_prev_TD, concurrent=True)  # prev's GEMMs leave prev.comm_sms SMs free
     with torch.no_grad():
