@@ -239,7 +239,7 @@ def _schedule(text: str) -> tuple[int, str]:
     """``--chunks`` entry: ``N`` (token chunks), ``Ns`` (N chunks, each split by source rank) or ``Ni`` (N
     chunks, two micro-batches interleaved): (N, kind)."""
     t = text.strip()
-    kind = t[-1:] if t[-1:] in ("s", "i") else ""
+    kind = t[-1:] if t[-1:] in SCHEDULE_KINDS[1:] else ""
     n = t[: len(t) - len(kind)]
     if not n.isdigit() or int(n) < 1:
         raise SystemExit(f"--chunks: each entry must be N, Ns or Ni with N >= 1 (e.g. 1,2,1s,1i), got {text!r}")
