@@ -69,18 +69,18 @@ def test_paired_difference_is_the_median_of_per_round_differences():
     assert B._median([3.0, 1.0, 2.0]) == 2.0
 
 
-def _bench_layer_worker(rank, world_size, path):
+def _bench_layer_worker(rank, world_size, path, extra=("--chunks", "1,2,1i", "--comm-sms", "0,8", "--no-baseline")):
     import argparse
 
     parser = argparse.ArgumentParser()
     B.add_arguments(parser)
     parser.add_argument("--json", default=None)  # added by the CLI for every benchmark
     common = ["--device", "cpu", "--tokens", "32", "--hidden", "16", "--ffn", "8", "--experts", "4", "--topk", "2"]
-    common += ["--backend", "torch", "--warmup", "1", "--iters", "3", "--no-baseline"]
+    common += ["--backend", "torch", "--warmup", "1", "--iters", "3"]
     destroy = B.dist.destroy_process_group
     B.dist.destroy_process_group = lambda *a, **k: None  # the test harness owns the group
     try:
-        B.run(parser.parse_args([*common, "--chunks", "1,2,1i", "--comm-sms", "0,8", "--json", path]))
+        B.run(parser.parse_args([*common, *extra, "--json", path]))
     finally:
         B.dist.destroy_process_group = destroy
     return True
@@ -106,3 +106,20 @@ def test_bench_layer_on_cpu_times_every_variant_interleaved(tmp_path):
             assert r["bitwise"] and r["rel_diff_out"] < 1e-5
             # the interleaved micro-batches compute exactly what the one-chunk autograd path computes
             assert r["bitwise_vs_first"] or chunks != "1i"
+
+
+def test_bench_layer_on_cpu_with_the_megatron_baseline(tmp_path):
+    """The baseline (Megatron's alltoall dispatcher + grouped_mm experts) runs on CPU/gloo under
+    megatron_compat's CPU patches and agrees with ours."""
+    import json
+
+    pytest.importorskip("megatron.core")
+    path = str(tmp_path / "layer.json")
+    assert all(run_distributed(_bench_layer_worker, 2, path, ("--chunks", "1", "--dtype", "fp32"), timeout=240))
+    with open(path) as f:
+        result = json.load(f)
+    assert result["baseline_error"] is None
+    (mg,) = [r for r in result["rows"] if r["provider"] == "megatron"]
+    assert mg["ms"] > 0
+    assert result["summary"]["speedup_vs_megatron"] > 0
+    assert result["summary"]["max_rel_diff_ours_vs_megatron"] < 1e-4  # fp32 on CPU

@@ -44,8 +44,8 @@ row all-to-all; and, in brackets, the launches inside the experts backend (not t
 ``--profile DIR`` also runs torch.profiler over a few steps per chunk count (overlap on) and writes, per
 rank 0, a table of the ``ep.*`` phase ranges and the top kernels (device and host time) and a Chrome trace.
 Router and token rounding are outside the timed region (both providers get the same top-K routing).
-On CPUs (``--device cpu``, gloo) Megatron's dispatcher runs with four documented monkeypatches (fake CUDA
-streams etc.; docs MEGATRON.md 11.1); use tiny sizes there -- it checks the plumbing, not speed.
+On CPUs (``--device cpu``, gloo) Megatron's dispatcher runs under ``megatron_compat.patch_megatron_for_cpu`` (fake
+CUDA streams etc.); use tiny sizes there -- it checks the plumbing, not speed.
 """
 
 from __future__ import annotations
@@ -103,60 +103,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-class _FakeStream:
-    """Stands in for CUDA streams/events on CPU (Megatron's dispatcher builds a D2H side stream)."""
-
-    def wait_stream(self, *a):
-        pass
-
-    def wait_event(self, *a):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def record_event(self, *a):
-        return self
-
-    def record(self, *a):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-    def __eq__(self, other):
-        return True
-
-    def __hash__(self):
-        return 0
-
-
-def _patch_megatron_for_cpu() -> None:
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
-
-    fake = _FakeStream()
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.Stream = lambda *a, **k: fake
-    torch.cuda.current_stream = lambda *a, **k: fake
-    torch.cuda.stream = lambda s: fake
-
-    def to_cpu(t, as_numpy=False, record_stream=False):
-        return t.numpy() if (as_numpy and isinstance(t, torch.Tensor)) else t
-
-    token_dispatcher.maybe_move_tensor_to_cpu = to_cpu
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
 def build_megatron_dispatcher(args, device, group, P: int, rank: int):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     if device.type == "cpu":
-        _patch_megatron_for_cpu()
+        from ..megatron_compat import patch_megatron_for_cpu
+
+        patch_megatron_for_cpu()
     self_groups = [dist.new_group([r]) for r in range(P)]  # every rank creates every group
     pg = types.SimpleNamespace(ep=group, expt_tp=self_groups[rank], tp_ep=group, tp=self_groups[rank])
     config = TransformerConfig(
