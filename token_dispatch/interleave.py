@@ -34,7 +34,7 @@ import torch
 
 from ..kernels.interface import resolve_backend
 from ..kernels.routing import FlatRouting, TopKRouting
-from .layer import _backward_steps, _forward_steps, _free_sms, _Saved, record_function, run_steps
+from .layer import _backward_steps, _forward_steps, _free_sms, _Saved, check_comm_sms, record_function, run_steps
 from .plan import EPPlan, make_plan
 from .rounding import TokenRounding
 
@@ -62,38 +62,6 @@ class EPGrads:
     dw2_EDF: torch.Tensor
 
 
-def _plan(x_TD, routing, w1_EGD, w2_EDF, group, num_experts, activation, rounding, rounding_scores_TE, num_chunks):
-    with record_function("ep.plan"):
-        return make_plan(
-            routing,
-            num_experts=num_experts,
-            group=group,
-            rounding=rounding,
-            rounding_scores_TE=rounding_scores_TE,
-            num_chunks=num_chunks,
-            x_TD=x_TD,
-            w1_EGD=w1_EGD,
-            w2_EDF=w2_EDF,
-            activation=activation,
-        )
-
-
-def _forward(plan, x_TD, w1_EGD, w2_EDF, ops, activation, overlap, comm_sms, concurrent, redispatch):
-    steps = _forward_steps(
-        x_TD.contiguous(),
-        w1_EGD,
-        w2_EDF,
-        plan,
-        ops,
-        activation,
-        overlap=overlap,
-        free_sms=_free_sms(plan, comm_sms, overlap, concurrent=concurrent),
-        store_h=True,
-        redispatch=redispatch,
-    )
-    return steps
-
-
 def _backward(fwd: EPForward, grad_TD: torch.Tensor, concurrent: bool):
     """fwd's backward steps; ``concurrent``: its GEMMs run beside another micro-batch's all-to-alls."""
     scores = fwd.plan.scores_R
@@ -112,11 +80,6 @@ def _backward(fwd: EPForward, grad_TD: torch.Tensor, concurrent: bool):
     )
 
 
-def _check_comm_sms(comm_sms) -> None:
-    if not isinstance(comm_sms, int) or comm_sms < 0:
-        raise ValueError(f"comm_sms must be an int >= 0, got {comm_sms!r}")
-
-
 def _check_backward_args(fwd, grad_TD, name: str) -> None:
     """The state is one ``ep_forward`` / ``ep_forward_backward`` returned, and the gradient matches its output."""
     if not isinstance(fwd, EPForward):
@@ -125,6 +88,49 @@ def _check_backward_args(fwd, grad_TD, name: str) -> None:
     if not isinstance(grad_TD, torch.Tensor) or tuple(grad_TD.shape) != want:
         got = tuple(grad_TD.shape) if isinstance(grad_TD, torch.Tensor) else type(grad_TD)
         raise ValueError(f"the output gradient of {name} must be a tensor of shape {want} (its output's), got {got}")
+
+
+def _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, o: dict):
+    """This micro-batch's forward, with ``prev``'s backward interleaved when ``prev`` is given:
+    (out_TD, EPForward, prev's EPGrads or None). ``o``: the keyword arguments of ``ep_forward``."""
+    caller = "ep_forward" if prev is None else "ep_forward_backward"
+    check_comm_sms(o["comm_sms"], caller)
+    ops = resolve_backend(o["backend"], x_TD.device)  # before prev's collectives go out
+    bwd = None
+    if prev is not None:  # checked by ep_forward_backward
+        bwd = _backward(prev, grad_prev_TD, concurrent=True)  # prev's GEMMs leave prev.comm_sms SMs free
+        with torch.no_grad():
+            next(bwd)  # prev's dO rows are in flight while this micro-batch plans
+    # The plan outside no_grad: its scores_R keeps the autograd link to the router (EPGrads.dscores_R's target).
+    with record_function("ep.plan"):
+        plan = make_plan(
+            routing,
+            num_experts=o["num_experts"],
+            group=o["group"],
+            rounding=o["rounding"],
+            rounding_scores_TE=o["rounding_scores_TE"],
+            num_chunks=o["num_chunks"],
+            x_TD=x_TD,
+            w1_EGD=w1_EGD,
+            w2_EDF=w2_EDF,
+            activation=o["activation"],
+        )
+    fwd = _forward_steps(
+        x_TD.contiguous(),
+        w1_EGD,
+        w2_EDF,
+        plan,
+        ops,
+        o["activation"],
+        overlap=o["overlap"],
+        free_sms=_free_sms(plan, o["comm_sms"], o["overlap"], concurrent=bwd is not None),
+        store_h=True,
+        redispatch=o["redispatch_x_in_backward"],
+    )
+    with torch.no_grad():
+        (out_TD, saved), grads = _alternate(fwd, bwd) if bwd is not None else (run_steps(fwd), None)
+    state = EPForward(plan, ops, o["activation"], saved, w1_EGD, w2_EDF, o["comm_sms"])
+    return out_TD, state, None if grads is None else EPGrads(*grads)
 
 
 def ep_forward(
@@ -147,16 +153,20 @@ def ep_forward(
     """The expert-parallel experts forward of one micro-batch without autograd: (out_TD, state for the
     backward; it keeps H and the received rows, as the autograd path does in training). Arguments as
     ``expert_parallel_experts`` (``comm_sms``: SMs the GEMMs leave free for the all-to-alls in flight)."""
-    _check_comm_sms(comm_sms)
-    ops = resolve_backend(backend, x_TD.device)
-    # The plan outside no_grad: its scores_R keeps the autograd link to the router (EPGrads.dscores_R's target).
-    plan = _plan(
-        x_TD, routing, w1_EGD, w2_EDF, group, num_experts, activation, rounding, rounding_scores_TE, num_chunks
+    options = dict(
+        group=group,
+        num_experts=num_experts,
+        activation=activation,
+        backend=backend,
+        rounding=rounding,
+        rounding_scores_TE=rounding_scores_TE,
+        num_chunks=num_chunks,
+        comm_sms=comm_sms,
+        redispatch_x_in_backward=redispatch_x_in_backward,
+        overlap=overlap,
     )
-    steps = _forward(plan, x_TD, w1_EGD, w2_EDF, ops, activation, overlap, comm_sms, False, redispatch_x_in_backward)
-    with torch.no_grad():
-        out_TD, saved = run_steps(steps)
-    return out_TD, EPForward(plan, ops, activation, saved, w1_EGD, w2_EDF, comm_sms)
+    out_TD, state, _ = _forward_with(None, None, x_TD, routing, w1_EGD, w2_EDF, options)
+    return out_TD, state
 
 
 def ep_backward(fwd: EPForward, grad_TD: torch.Tensor) -> EPGrads:
@@ -190,19 +200,20 @@ def ep_forward_backward(
     Each one's all-to-alls are in flight while the other one's kernels run (module docstring); the GEMMs leave
     ``comm_sms`` SMs free for them. Results equal ``ep_backward(prev, ...)`` then ``ep_forward(...)``, bitwise.
     ``prev`` and this micro-batch must use the same group (the weights may differ, e.g. another layer's)."""
-    _check_comm_sms(comm_sms)
-    _check_backward_args(prev, grad_prev_TD, "prev")
-    ops = resolve_backend(backend, x_TD.device)
-    bwd = _backward(prev, grad_prev_TD, concurrent=True)  # prev's GEMMs leave prev.comm_sms SMs free
-    with torch.no_grad():
-        next(bwd)  # prev's dO rows are in flight while this micro-batch plans
-    plan = _plan(
-        x_TD, routing, w1_EGD, w2_EDF, group, num_experts, activation, rounding, rounding_scores_TE, num_chunks
+    options = dict(
+        group=group,
+        num_experts=num_experts,
+        activation=activation,
+        backend=backend,
+        rounding=rounding,
+        rounding_scores_TE=rounding_scores_TE,
+        num_chunks=num_chunks,
+        comm_sms=comm_sms,
+        redispatch_x_in_backward=redispatch_x_in_backward,
+        overlap=overlap,
     )
-    fwd = _forward(plan, x_TD, w1_EGD, w2_EDF, ops, activation, overlap, comm_sms, True, redispatch_x_in_backward)
-    with torch.no_grad():
-        (out_TD, saved), grads = _alternate(fwd, bwd)
-    return out_TD, EPForward(plan, ops, activation, saved, w1_EGD, w2_EDF, comm_sms), EPGrads(*grads)
+    _check_backward_args(prev, grad_prev_TD, "prev")
+    return _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, options)
 
 
 def _alternate(first, second):

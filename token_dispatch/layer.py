@@ -174,6 +174,12 @@ def _backward_steps(grad_TD, saved: _Saved, w1, w2, plan: EPPlan, ops, activatio
     return dx_TD, ds_R, dw1, dw2
 
 
+def check_comm_sms(comm_sms, caller: str) -> None:
+    """``comm_sms`` (SMs the GEMMs leave free for collectives in flight) must be an int >= 0."""
+    if not isinstance(comm_sms, int) or comm_sms < 0:
+        raise ValueError(f"{caller}: comm_sms must be an int >= 0, got {comm_sms!r}")
+
+
 def run_steps(steps):
     """Run a step generator to its end; its return value."""
     while True:
@@ -259,8 +265,7 @@ def expert_parallel_experts(
             for benchmarks that measure how much all-to-all time the overlap hides).
     """
     ops = resolve_backend(backend, x_TD.device)
-    if not isinstance(comm_sms, int) or comm_sms < 0:
-        raise ValueError(f"expert_parallel_experts: comm_sms must be an int >= 0, got {comm_sms!r}")
+    check_comm_sms(comm_sms, "expert_parallel_experts")
     if wgrad is not None and not (w1_EGD.is_leaf and w2_EDF.is_leaf):
         raise ValueError("expert_parallel_experts: with wgrad, w1 and w2 must be leaf tensors (parameters)")
     with record_function("ep.plan"):
