@@ -16,8 +16,10 @@ from torch.profiler import ProfilerActivity, profile
 from sonic_megatron.bench import experts as B
 
 
-def kernel_table(fn, steps: int = 3) -> list[tuple[str, int, float]]:
-    for _ in range(2):
+def kernel_table(fn, steps: int = 3, warmup: int = 2) -> list[tuple[str, int, float]]:
+    """CUDA kernels of ``steps`` calls of ``fn`` (torch.profiler, after ``warmup`` calls): (name, launches per
+    call, ms per call), slowest first."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
