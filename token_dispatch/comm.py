@@ -6,9 +6,15 @@ on the process group's internal stream, ordered after the work already queued on
 ``Work.wait()`` makes the current stream wait for it (ProcessGroupNCCL keeps the buffers alive until then),
 so overlap needs no hand-made streams or events and stays race-free when repeated. On gloo the collective
 runs on gloo's worker thread while the caller computes.
+
+``CommThread`` (``comm_thread_for(group)``) optionally moves the host work of issuing the collectives off the calling
+thread; every function here takes it as ``thread`` (``None``: issue directly).
 """
 
 from __future__ import annotations
+
+import queue
+import threading
 
 import torch
 import torch.distributed as dist
@@ -33,6 +39,111 @@ def group_fingerprint(group) -> int:
     for r in dist.get_process_group_ranks(group):
         h = (h * 1000003 + r + 1) % (2**61 - 1)
     return h
+
+
+class _Queued:
+    """A collective queued on a ``CommThread``: ``result()`` waits until the thread has issued it (or raised)
+    and returns what the issuing call returned (a Work for async collectives); ``wait()`` then waits for
+    the collective as ``Work.wait()`` does (on NCCL: the caller's current stream waits for it)."""
+
+    __slots__ = ("_done", "_value", "_error")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._value = self._error = None
+
+    def result(self):
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def wait(self) -> None:
+        works = self.result()
+        for w in works if isinstance(works, list) else [works]:
+            if w is not None:
+                w.wait()
+
+
+class CommThread:
+    """Issues one process group's collectives from a background thread, in the order they are submitted.
+
+    Why: on GPUs, launching one NCCL all-to-all costs the host 0.13-0.20 ms inside the layer (ProcessGroupNCCL
+    and NCCL's group launch; docs/PERF.md section 2), five per training step of a micro-batch. Where the host
+    is the bottleneck that time is exposed even when the all-to-all itself hides behind kernels. Here the
+    calling thread only records a CUDA event on its current stream (the point after which the collective
+    may start) and queues the call; the thread makes its own stream wait for that event and issues the
+    collective with that stream current, so NCCL orders it after exactly the work queued before ``submit``,
+    not after the kernels the caller launches meanwhile. c10d releases the GIL while it launches, so both
+    threads make progress. Results are bitwise those of issuing directly (same collectives, same order).
+
+    One thread per group (``comm_thread_for``): NCCL and gloo need every rank to issue a group's collectives in
+    the same order, which one FIFO keeps; every collective of this package on the group goes through it
+    (plan, rounding, exchanges, error reports), and issuing directly first drains it (``drain``)."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._cuda = dist.get_backend(group) == "nccl"
+        self._device = torch.cuda.current_device() if self._cuda else None
+        self._stream = torch.cuda.Stream(self._device) if self._cuda else None
+        self._last: _Queued | None = None
+        self._thread = threading.Thread(target=self._run, name="sonic-ep-comm", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn) -> _Queued:
+        """Queue ``fn()`` (a call that issues collectives of this group); returns its ``_Queued``."""
+        ready = None
+        if self._cuda:
+            ready = torch.cuda.Event()
+            ready.record()  # on the caller's current stream: the collective's inputs are queued before here
+        item = _Queued()
+        self._queue.put((fn, ready, item))
+        self._last = item
+        return item
+
+    def drain(self) -> None:
+        """Return once every submitted collective has been issued (not completed)."""
+        last, self._last = self._last, None
+        if last is not None:
+            last._done.wait()
+
+    def _run(self) -> None:
+        if self._cuda:
+            torch.cuda.set_device(self._device)
+            torch.cuda.set_stream(self._stream)
+        while True:
+            fn, ready, item = self._queue.get()
+            try:
+                if ready is not None:
+                    self._stream.wait_event(ready)
+                item._value = fn()
+            except BaseException as exc:  # re-raised in the caller by result() / wait()
+                item._error = exc
+            item._done.set()
+
+
+_THREADS: dict[int, CommThread] = {}  # id(group) -> its CommThread (the group stays referenced by it)
+
+
+def comm_thread_for(group) -> CommThread | None:
+    """The group's ``CommThread``, started on first use (None for a single process: nothing to issue)."""
+    if group_size(group) == 1:
+        return None
+    key = id(group)
+    if key not in _THREADS:
+        _THREADS[key] = CommThread(group)
+    return _THREADS[key]
+
+
+def _issue(fn, group, thread: CommThread | None):
+    """Issue ``fn()`` through ``thread``, or directly after draining the group's thread if it has one."""
+    if thread is not None:
+        return thread.submit(fn)
+    other = _THREADS.get(id(group))
+    if other is not None:
+        other.drain()
+    return fn()
 
 
 class Pending:
@@ -63,45 +174,71 @@ def all_to_all(
     in_splits: list[int],
     group,
     async_op: bool = False,
+    thread: CommThread | None = None,
 ):
     """All-to-all along dim 0 with uneven splits into the preallocated ``out``. Returns the work handle when
-    ``async_op`` (None when nothing was communicated). Single process: copies ``inp`` into ``out``."""
+    ``async_op`` (None when nothing was communicated; a ``_Queued`` through ``thread``, whose ``wait()`` waits
+    for it). Single process: copies ``inp`` into ``out``."""
     if group_size(group) == 1:
         out.copy_(inp)
         return None
-    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
+    if thread is None:
+        return _issue(
+            lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op),
+            group,
+            None,
+        )
+    queued = thread.submit(lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True))
+    if not async_op:
+        queued.wait()
+        return None
+    return queued
 
 
-def send_recv(inp: torch.Tensor, to: int, out: torch.Tensor, frm: int, group) -> list:
+def send_recv(inp: torch.Tensor, to: int, out: torch.Tensor, frm: int, group, thread: CommThread | None = None) -> list:
     """Send ``inp`` to group rank ``to`` and receive ``out`` from group rank ``frm`` as one async batch
     (``batch_isend_irecv``: one NCCL group, only the two peers synchronise); returns the work handles.
     Every rank of the group must call it at the same point (the by-source ring does). Empty tensors are
     exchanged too, so that sends and receives always pair up."""
-    ops = [
-        dist.P2POp(dist.isend, inp.contiguous(), dist.get_global_rank(group, to), group),
-        dist.P2POp(dist.irecv, out, dist.get_global_rank(group, frm), group),
-    ]
-    return dist.batch_isend_irecv(ops)
+    inp = inp.contiguous()
+
+    def issue():
+        ops = [
+            dist.P2POp(dist.isend, inp, dist.get_global_rank(group, to), group),
+            dist.P2POp(dist.irecv, out, dist.get_global_rank(group, frm), group),
+        ]
+        return dist.batch_isend_irecv(ops)
+
+    works = _issue(issue, group, thread)
+    return [works] if thread is not None else works
 
 
 # torch >= 2.13 renames all_gather_into_tensor (and warns); the GPU image's torch 2.11 has only the old name.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def all_gather(t: torch.Tensor, group) -> torch.Tensor:
-    """[P, *t.shape]: every rank's ``t`` (same shape on every rank by construction)."""
+def all_gather(t: torch.Tensor, group, thread: CommThread | None = None) -> torch.Tensor:
+    """[P, *t.shape]: every rank's ``t`` (same shape on every rank by construction); the caller's current
+    stream is ordered after it (as after a synchronous collective)."""
     P = group_size(group)
     if P == 1:
         return t.unsqueeze(0)
     out = t.new_empty(P * t.numel())
-    _all_gather_flat(out, t.contiguous().reshape(-1), group=group)
+    flat = t.contiguous().reshape(-1)
+    if thread is None:
+        _issue(lambda: _all_gather_flat(out, flat, group=group), group, None)
+    else:
+        thread.submit(lambda: _all_gather_flat(out, flat, group=group, async_op=True)).wait()
     return out.view(P, *t.shape)
 
 
-def all_gather_strings(msg: str, group) -> list[str]:
+def all_gather_strings(msg: str, group, thread: CommThread | None = None) -> list[str]:
     """Every rank's message (only on the error path: pickles through ``all_gather_object``)."""
     if group_size(group) == 1:
         return [msg]
     out: list = [None] * group_size(group)
-    dist.all_gather_object(out, msg, group=group)
+    if thread is None:
+        _issue(lambda: dist.all_gather_object(out, msg, group=group), group, None)
+    else:  # all_gather_object is synchronous on the thread (its own host copies); only its issue is waited for
+        thread.submit(lambda: dist.all_gather_object(out, msg, group=group)).result()
     return out

@@ -8,7 +8,9 @@ Providers (same routing, same weights, bf16):
     dW GEMMs with the backward all-to-all), for each ``--chunks`` schedule (``N``: N token chunks; ``Ns``:
     N chunks each split by source rank, ``by_source``; ``Ni``: N chunks, two micro-batches interleaved --
     each call runs the forward of a micro-batch with the backward of the previous one,
-    ``token_dispatch.ep_forward_backward``, so a call is still one forward and one backward), with overlap
+    ``token_dispatch.ep_forward_backward``, so a call is still one forward and one backward; any of them
+    followed by ``t``, e.g. ``1it``: the collectives are issued from the group's background thread,
+    ``comm_thread=True``), with overlap
     for each ``--comm-sms`` value (SMs the GEMMs leave free while an all-to-all is in flight) and without
     overlap (``overlap=False`` waits for each all-to-all at once: same bits, no hiding; all SMs to the GEMMs);
   * ``megatron`` -- Megatron-core's ``MoEAlltoAllTokenDispatcher`` (unfused permute) + an experts module of
@@ -23,7 +25,8 @@ once (overlap on for each ``--comm-sms`` value, overlap off, no a2a, the all-to-
 each call from an idle device after a barrier; a variant's time is its median over rounds (max over ranks per
 round). Per overlap-on variant:
     a2a_hidden   = clip(1 - exposed / t_a2a(s), 0, 1),  exposed = median over rounds of t_on - t_no_a2a:
-                   the share of the all-to-all time that adds no wall time;
+                   the share of the all-to-all time that adds no wall time (for a ``t`` schedule t_no_a2a is,
+                   per round, the faster of the layer without all-to-alls with and without the thread);
     overlap_gain = clip(median over rounds of (t_off - t_on) / t_a2a(s), 0, 1):
                    what the overlap schedule buys over waiting for each all-to-all at once ("overlap off": same
                    kernels, same bits, all SMs to the GEMMs).
@@ -70,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="1,2",
         help="comma-separated pipeline schedules for ours: num_chunks N, Ns for N chunks split by source rank "
         "(by_source: own rows first, then one exchange per peer), or Ni for N chunks with two micro-batches "
-        "interleaved (the forward of one with the backward of the previous one); default 1,2",
+        "interleaved (the forward of one with the backward of the previous one); a trailing t (e.g. 1t, 1it) "
+        "issues the collectives from a background thread (comm_thread); default 1,2",
     )
     parser.add_argument(
         "--comm-sms",
@@ -187,17 +191,24 @@ def _a2a_alone(plan, x, device):
 
 
 SCHEDULE_KINDS = ("", "s", "i")  # token chunks, by source, two micro-batches interleaved
+THREAD_SUFFIX = "t"  # any kind + "t": the collectives are issued from the group's background thread
 
 
 def _schedule(text: str) -> tuple[int, str]:
     """``--chunks`` entry: ``N`` (token chunks), ``Ns`` (N chunks, each split by source rank) or ``Ni`` (N
-    chunks, two micro-batches interleaved): (N, kind)."""
+    chunks, two micro-batches interleaved), each optionally followed by ``t`` (collectives issued from a
+    background thread, ``comm_thread=True``): (N, kind), kind e.g. "", "s", "it"."""
     t = text.strip()
+    thread = THREAD_SUFFIX if t.endswith(THREAD_SUFFIX) else ""
+    t = t[: len(t) - len(thread)]
     kind = t[-1:] if t[-1:] in SCHEDULE_KINDS[1:] else ""
     n = t[: len(t) - len(kind)]
     if not n.isdigit() or int(n) < 1:
-        raise SystemExit(f"--chunks: each entry must be N, Ns or Ni with N >= 1 (e.g. 1,2,1s,1i), got {text!r}")
-    return int(n), kind
+        raise SystemExit(
+            f"--chunks: each entry must be N, Ns or Ni with N >= 1, optionally followed by t (e.g. 1,2,1s,1i,1it), "
+            f"got {text!r}"
+        )
+    return int(n), kind + thread
 
 
 def _label(sched: tuple[int, str]) -> str:
@@ -433,10 +444,12 @@ def run(args) -> int:
     routing = TopKRouting(scores, indices)
     results, outputs = [], {}
 
-    def ours(sched, overlap, comm_sms=0):
+    def ours(sched, overlap, comm_sms=0, thread=None):
         chunks, kind = sched
+        thread = kind.endswith(THREAD_SUFFIX) if thread is None else thread
+        kind = kind.removesuffix(THREAD_SUFFIX)
         if kind == "i":
-            return interleaved(chunks, overlap, comm_sms)
+            return interleaved(chunks, overlap, comm_sms, thread)
 
         def fn():
             out = expert_parallel_experts(
@@ -451,17 +464,18 @@ def run(args) -> int:
                 by_source=kind == "s",
                 comm_sms=comm_sms,
                 overlap=overlap,
+                comm_thread=thread,
             )
             out.backward(grad)
             return out
 
         return fn
 
-    def interleaved(chunks, overlap, comm_sms):
+    def interleaved(chunks, overlap, comm_sms, thread):
         """A call: the forward of a micro-batch with the backward of the previous one (the first call also
         runs the first forward). Same tokens every time; gradients accumulate into .grad as autograd's do."""
         kw = dict(group=group, num_experts=E, backend=args.backend, num_chunks=chunks, comm_sms=comm_sms)
-        kw.update(overlap=overlap)
+        kw.update(overlap=overlap, comm_thread=thread)
         state = []
 
         def fn():
@@ -539,15 +553,21 @@ def run(args) -> int:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         # Interleaved rounds: overlap on (each comm_sms), overlap off, the layer without its all-to-alls, and the
         # all-to-alls alone (same plan), each once per round.
-        plan = make_plan(routing, num_experts=E, group=group, x_TD=x0, num_chunks=chunks, by_source=kind == "s")
+        by_source = kind.removesuffix(THREAD_SUFFIX) == "s"
+        plan = make_plan(routing, num_experts=E, group=group, x_TD=x0, num_chunks=chunks, by_source=by_source)
         none = contextlib.nullcontext
         variants = {("on", v): (ours(sched, True, v), none) for v in sms_list}
         variants[("off", 0)] = (ours(sched, False), none)
         variants[("no a2a", 0)] = (ours(sched, True, 0), _no_layer_a2a)
+        threaded = kind.endswith(THREAD_SUFFIX)
+        if threaded:  # the reference is the faster of the layer without all-to-alls with and without the thread
+            variants["no a2a direct"] = (ours(sched, True, 0, thread=False), _no_layer_a2a)
         variants["a2a"] = (_a2a_alone(plan, x0, device), none)
         timing = _timed_rounds(variants, device, args.warmup, args.iters)
         t_a2a[_label(sched)] = t_c = _median(timing.pop("a2a")[0])
         t_none, t_off = timing[("no a2a", 0)][0], timing[("off", 0)][0]
+        if threaded:
+            t_none = [min(a, b) for a, b in zip(t_none, timing.pop("no a2a direct")[0], strict=True)]
         for (overlap, comm_sms), (total, host) in timing.items():
             t = _median(total)
             row = dict(provider="ours", chunks=_label(sched), comm_sms=comm_sms)
