@@ -539,9 +539,18 @@ def _comm_thread_worker(rank, P):
         raised = False
     except RuntimeError as exc:
         raised = "boom" in str(exc)
-    return order_ok, direct.flatten().tolist() == [r + 0.5 for r in range(P)], raised
+    # The caller needing a result the thread has not issued yet issues the queued calls itself, in order.
+    import time
+
+    log = []
+    slow = thread.submit(lambda: (time.sleep(0.2), log.append(1)))
+    time.sleep(0.05)  # the thread is inside the slow call now
+    later = [thread.submit(lambda k=k: log.append(k)) for k in (2, 3)]
+    later[1].result()
+    stolen_in_order = log == [1, 2, 3] and slow.done and later[0].done
+    return order_ok, direct.flatten().tolist() == [r + 0.5 for r in range(P)], raised, stolen_in_order
 
 
 def test_comm_thread_order_errors_and_drain():
-    for order_ok, direct_ok, raised in run_distributed(_comm_thread_worker, 2):
-        assert order_ok and direct_ok and raised
+    for order_ok, direct_ok, raised, stolen_in_order in run_distributed(_comm_thread_worker, 2):
+        assert order_ok and direct_ok and raised and stolen_in_order

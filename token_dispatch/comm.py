@@ -13,7 +13,8 @@ thread; every function here takes it as ``thread`` (``None``: issue directly).
 
 from __future__ import annotations
 
-import queue
+import collections
+import sys
 import threading
 
 import torch
@@ -42,18 +43,21 @@ def group_fingerprint(group) -> int:
 
 
 class _Queued:
-    """A collective queued on a ``CommThread``: ``result()`` waits until the thread has issued it (or raised)
-    and returns what the issuing call returned (a Work for async collectives); ``wait()`` then waits for
-    the collective as ``Work.wait()`` does (on NCCL: the caller's current stream waits for it)."""
+    """A collective queued on a ``CommThread``: ``result()`` returns what the issuing call returned (a Work for
+    async collectives) once it has been issued -- by the thread, or by the caller itself when the thread has
+    not got to it yet (``CommThread.issue_through``); ``wait()`` then waits for the collective as
+    ``Work.wait()`` does (on NCCL: the caller's current stream waits for it)."""
 
-    __slots__ = ("_done", "_value", "_error")
+    __slots__ = ("_owner", "_fn", "_ready", "done", "_value", "_error")
 
-    def __init__(self) -> None:
-        self._done = threading.Event()
+    def __init__(self, owner: CommThread, fn, ready) -> None:
+        self._owner, self._fn, self._ready = owner, fn, ready
+        self.done = False
         self._value = self._error = None
 
     def result(self):
-        self._done.wait()
+        if not self.done:
+            self._owner.issue_through(self)
         if self._error is not None:
             raise self._error
         return self._value
@@ -74,20 +78,36 @@ class CommThread:
     calling thread only records a CUDA event on its current stream (the point after which the collective
     may start) and queues the call; the thread makes its own stream wait for that event and issues the
     collective with that stream current, so NCCL orders it after exactly the work queued before ``submit``,
-    not after the kernels the caller launches meanwhile. c10d releases the GIL while it launches, so both
+    not after the kernels the caller launches meanwhile. c10d releases the GIL for most of a launch, so both
     threads make progress. Results are bitwise those of issuing directly (same collectives, same order).
+
+    When the caller needs a result the thread has not issued yet (it waits right after submitting, e.g. a
+    synchronous all-gather), it issues the queued calls up to that one itself instead of waking the thread
+    and sleeping until it is done: the worst case costs what issuing directly costs. A lock held while
+    issuing keeps the FIFO order whichever thread issues.
+
+    The thread needs the GIL for the Python part of each launch; CPython lets a thread that waits for the
+    GIL wait up to its switch interval (5 ms by default) while another thread runs Python, so the first
+    ``CommThread`` lowers the process's interval to ``SWITCH_INTERVAL_S`` (``sys.setswitchinterval``; it
+    never raises it).
 
     One thread per group (``comm_thread_for``): NCCL and gloo need every rank to issue a group's collectives in
     the same order, which one FIFO keeps; every collective of this package on the group goes through it
     (plan, rounding, exchanges, error reports), and issuing directly first drains it (``drain``)."""
 
+    SWITCH_INTERVAL_S = 20e-6
+
     def __init__(self, group) -> None:
         self.group = group
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._items: collections.deque[_Queued] = collections.deque()
+        self._wake = threading.Condition(threading.Lock())  # guards _items; the thread sleeps on it
+        self._issuing = threading.Lock()  # held while a call is issued: one issuer at a time, in FIFO order
         self._cuda = dist.get_backend(group) == "nccl"
         self._device = torch.cuda.current_device() if self._cuda else None
         self._stream = torch.cuda.Stream(self._device) if self._cuda else None
         self._last: _Queued | None = None
+        if sys.getswitchinterval() > self.SWITCH_INTERVAL_S:
+            sys.setswitchinterval(self.SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._run, name="sonic-ep-comm", daemon=True)
         self._thread.start()
 
@@ -97,30 +117,53 @@ class CommThread:
         if self._cuda:
             ready = torch.cuda.Event()
             ready.record()  # on the caller's current stream: the collective's inputs are queued before here
-        item = _Queued()
-        self._queue.put((fn, ready, item))
+        item = _Queued(self, fn, ready)
+        with self._wake:
+            self._items.append(item)
+            self._wake.notify()
         self._last = item
         return item
 
+    def issue_through(self, target: _Queued) -> None:
+        """Issue the queued calls up to ``target`` from the calling thread (those the thread has not taken)."""
+        with self._issuing:
+            while not target.done:  # not done while we hold the lock: still queued, behind the older ones
+                with self._wake:
+                    item = self._items.popleft()
+                self._issue(item)
+
     def drain(self) -> None:
-        """Return once every submitted collective has been issued (not completed)."""
+        """Return once every submitted call has been issued (not completed)."""
         last, self._last = self._last, None
-        if last is not None:
-            last._done.wait()
+        if last is not None and not last.done:
+            self.issue_through(last)
+
+    def _issue(self, item: _Queued) -> None:
+        """Issue one call (holding ``_issuing``), on the thread's stream after the submitter's event."""
+        try:
+            if item._ready is None:
+                item._value = item._fn()
+            else:
+                with torch.cuda.stream(self._stream):
+                    self._stream.wait_event(item._ready)
+                    item._value = item._fn()
+        except BaseException as exc:  # re-raised in the caller by result() / wait()
+            item._error = exc
+        item._fn = item._ready = None
+        item.done = True
 
     def _run(self) -> None:
         if self._cuda:
             torch.cuda.set_device(self._device)
-            torch.cuda.set_stream(self._stream)
         while True:
-            fn, ready, item = self._queue.get()
-            try:
-                if ready is not None:
-                    self._stream.wait_event(ready)
-                item._value = fn()
-            except BaseException as exc:  # re-raised in the caller by result() / wait()
-                item._error = exc
-            item._done.set()
+            with self._wake:
+                while not self._items:
+                    self._wake.wait()
+            with self._issuing:
+                with self._wake:
+                    item = self._items.popleft() if self._items else None  # the caller may have taken it
+                if item is not None:
+                    self._issue(item)
 
 
 _THREADS: dict[int, CommThread] = {}  # id(group) -> its CommThread (the group stays referenced by it)

@@ -566,8 +566,9 @@ def run(args) -> int:
         timing = _timed_rounds(variants, device, args.warmup, args.iters)
         t_a2a[_label(sched)] = t_c = _median(timing.pop("a2a")[0])
         t_none, t_off = timing[("no a2a", 0)][0], timing[("off", 0)][0]
+        t_direct = timing.pop("no a2a direct")[0] if threaded else None
         if threaded:
-            t_none = [min(a, b) for a, b in zip(t_none, timing.pop("no a2a direct")[0], strict=True)]
+            t_none = [min(a, b) for a, b in zip(t_none, t_direct, strict=True)]
         for (overlap, comm_sms), (total, host) in timing.items():
             t = _median(total)
             row = dict(provider="ours", chunks=_label(sched), comm_sms=comm_sms)
@@ -578,6 +579,8 @@ def run(args) -> int:
                 row["a2a_exposed_ms"] = exposed * 1e3
                 row["a2a_hidden"] = max(0.0, min(1.0, 1 - exposed / t_c)) if t_c > 0 else None
                 row["overlap_gain"] = max(0.0, min(1.0, gain / t_c)) if t_c > 0 else None
+            if overlap == "no a2a" and t_direct is not None:
+                row["no_a2a_direct_ms"] = _median(t_direct) * 1e3  # the same without the comm thread
             if overlap != "no a2a":
                 row.update(bitwise=bool(flag[0].item() == 0.0), bitwise_vs_first=bool(flag[1].item() == 0.0))
                 row.update(rel_diff_out=float(flag[2]), rel_diff_dx=float(flag[3]))
