@@ -96,6 +96,7 @@ class CommThread:
     (plan, rounding, exchanges, error reports), and issuing directly first drains it (``drain``)."""
 
     SWITCH_INTERVAL_S = 20e-6
+    ISSUE_FROM_CALLER = True
 
     def __init__(self, group) -> None:
         self.group = group
@@ -125,7 +126,13 @@ class CommThread:
         return item
 
     def issue_through(self, target: _Queued) -> None:
-        """Issue the queued calls up to ``target`` from the calling thread (those the thread has not taken)."""
+        """Issue the queued calls up to ``target`` from the calling thread (those the thread has not taken);
+        with ``ISSUE_FROM_CALLER`` off, sleep until the thread has issued ``target`` instead."""
+        if not self.ISSUE_FROM_CALLER:
+            with self._wake:
+                while not target.done:
+                    self._wake.wait()
+            return
         with self._issuing:
             while not target.done:  # not done while we hold the lock: still queued, behind the older ones
                 with self._wake:
@@ -150,7 +157,9 @@ class CommThread:
         except BaseException as exc:  # re-raised in the caller by result() / wait()
             item._error = exc
         item._fn = item._ready = None
-        item.done = True
+        with self._wake:
+            item.done = True
+            self._wake.notify_all()  # a caller sleeping in issue_through (ISSUE_FROM_CALLER off)
 
     def _run(self) -> None:
         if self._cuda:

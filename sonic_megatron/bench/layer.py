@@ -25,7 +25,7 @@ once (overlap on for each ``--comm-sms`` value, overlap off, no a2a, the all-to-
 each call from an idle device after a barrier; a variant's time is its median over rounds (max over ranks per
 round). Per overlap-on variant:
     a2a_hidden   = clip(1 - exposed / t_a2a(s), 0, 1),  exposed = median over rounds of t_on - t_no_a2a:
-                   the share of the all-to-all time that adds no wall time (for a ``t`` schedule t_no_a2a is,
+                   the share of the all-to-all time that adds no wall time (with the comm thread t_no_a2a is,
                    per round, the faster of the layer without all-to-alls with and without the thread);
     overlap_gain = clip(median over rounds of (t_off - t_on) / t_a2a(s), 0, 1):
                    what the overlap schedule buys over waiting for each all-to-all at once ("overlap off": same
@@ -36,6 +36,8 @@ When the layer is host-bound (host_ms close to ms) the all-to-alls also hide in 
 a2a_hidden counts and overlap_gain mostly does not; ``--profile`` adds the kernel-level share (all-to-all kernel
 time during which a compute kernel runs on the GPU, from the trace), which counts only hiding behind kernels.
 ``host_ms`` is the time until the Python call (forward + backward) returns, before the final device sync.
+A ``t`` schedule is timed with and without the comm thread in the same rounds (rows ``Nt`` and ``N``, etc.);
+``thread_gain_ms`` = median over rounds of t(without) - t(with the thread), same variant and comm_sms.
 ``rel_diff_out`` / ``rel_diff_dx``: max relative difference of the output / dX against the first
 ``--chunks`` value (a check of the chunk plumbing; chunking only changes dW's rounding).
 ``bitwise`` says whether the output and all gradients with overlap equal those without, bit for bit;
@@ -553,35 +555,37 @@ def run(args) -> int:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         # Interleaved rounds: overlap on (each comm_sms), overlap off, the layer without its all-to-alls, and the
         # all-to-alls alone (same plan), each once per round.
-        by_source = kind.removesuffix(THREAD_SUFFIX) == "s"
-        plan = make_plan(routing, num_experts=E, group=group, x_TD=x0, num_chunks=chunks, by_source=by_source)
+        base = kind.removesuffix(THREAD_SUFFIX)
+        plan = make_plan(routing, num_experts=E, group=group, x_TD=x0, num_chunks=chunks, by_source=base == "s")
+        # A ``t`` schedule is timed with and without the comm thread in the same rounds (paired comparison).
+        threads = (True, False) if kind.endswith(THREAD_SUFFIX) else (False,)
         none = contextlib.nullcontext
-        variants = {("on", v): (ours(sched, True, v), none) for v in sms_list}
-        variants[("off", 0)] = (ours(sched, False), none)
-        variants[("no a2a", 0)] = (ours(sched, True, 0), _no_layer_a2a)
-        threaded = kind.endswith(THREAD_SUFFIX)
-        if threaded:  # the reference is the faster of the layer without all-to-alls with and without the thread
-            variants["no a2a direct"] = (ours(sched, True, 0, thread=False), _no_layer_a2a)
+        variants = {}
+        for th in threads:
+            variants.update({("on", v, th): (ours(sched, True, v, th), none) for v in sms_list})
+            variants[("off", 0, th)] = (ours(sched, False, 0, th), none)
+            variants[("no a2a", 0, th)] = (ours(sched, True, 0, th), _no_layer_a2a)
         variants["a2a"] = (_a2a_alone(plan, x0, device), none)
         timing = _timed_rounds(variants, device, args.warmup, args.iters)
         t_a2a[_label(sched)] = t_c = _median(timing.pop("a2a")[0])
-        t_none, t_off = timing[("no a2a", 0)][0], timing[("off", 0)][0]
-        t_direct = timing.pop("no a2a direct")[0] if threaded else None
-        if threaded:
-            t_none = [min(a, b) for a, b in zip(t_none, t_direct, strict=True)]
-        for (overlap, comm_sms), (total, host) in timing.items():
+        t_direct = timing[("no a2a", 0, False)][0]
+        for (overlap, comm_sms, th), (total, host) in timing.items():
             t = _median(total)
-            row = dict(provider="ours", chunks=_label(sched), comm_sms=comm_sms)
+            row = dict(provider="ours", chunks=_label((chunks, base + THREAD_SUFFIX * th)), comm_sms=comm_sms)
             row.update(overlap=overlap if overlap == "no a2a" else overlap == "on")
             row.update(ms=t * 1e3, host_ms=_median(host) * 1e3, tokens_per_s=P * T / t, a2a_alone_ms=t_c * 1e3)
             if overlap == "on":
-                exposed, gain = _paired(total, t_none), _paired(t_off, total)
+                # With the thread the reference is, per round, the faster of the layer without all-to-alls with
+                # and without it.
+                t_none = timing[("no a2a", 0, th)][0]
+                t_none = [min(a, b) for a, b in zip(t_none, t_direct, strict=True)]
+                exposed, gain = _paired(total, t_none), _paired(timing[("off", 0, th)][0], total)
                 row["a2a_exposed_ms"] = exposed * 1e3
                 row["a2a_hidden"] = max(0.0, min(1.0, 1 - exposed / t_c)) if t_c > 0 else None
                 row["overlap_gain"] = max(0.0, min(1.0, gain / t_c)) if t_c > 0 else None
-            if overlap == "no a2a" and t_direct is not None:
-                row["no_a2a_direct_ms"] = _median(t_direct) * 1e3  # the same without the comm thread
-            if overlap != "no a2a":
+            if th:  # what the thread saves against issuing directly, same rounds
+                row["thread_gain_ms"] = _paired(timing[(overlap, comm_sms, False)][0], total) * 1e3
+            if overlap != "no a2a" and th == threads[0]:  # the flags were computed on the schedule's own path
                 row.update(bitwise=bool(flag[0].item() == 0.0), bitwise_vs_first=bool(flag[1].item() == 0.0))
                 row.update(rel_diff_out=float(flag[2]), rel_diff_dx=float(flag[3]))
             results.append(row)
@@ -628,6 +632,7 @@ def run(args) -> int:
         print(f"bench layer: P={P} T={T} d={D} n={Fn} E={E} K={K} {args.dtype} on {device.type}")
         cols = ["provider", "chunks", "comm_sms", "overlap", "ms", "host_ms", "tokens_per_s", "a2a_alone_ms"]
         cols += ["a2a_exposed_ms", "a2a_hidden", "overlap_gain"]
+        cols += ["thread_gain_ms"] if any("thread_gain_ms" in r for r in results) else []
         print_table(results, cols + ["bitwise", "bitwise_vs_first", "rel_diff_out", "rel_diff_dx"])
         print(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
         if baseline_error:
