@@ -205,18 +205,9 @@ def _equivalence_worker(rank, P):
         ("deferred", {"deferred": True}),
         ("no_overlap", {"overlap": False}),
         ("comm_sms", {"comm_sms": 16}),
-        ("comm_thread", {"comm_thread": True}),
     ):
         other = run_ep(case, rank, P, dtype=torch.bfloat16, **opts)
         res[f"same_bits/{name}"] = all(torch.equal(u, v) for u, v in zip(base, other, strict=True))
-    # The background comm thread against direct issue, for other schedules (and after direct calls again).
-    for name, opts in (
-        ("chunks2_by_source", {"num_chunks": 2, "by_source": True}),
-        ("stepwise", {"mode": "stepwise"}),
-    ):
-        threaded = run_ep(case, rank, P, dtype=torch.bfloat16, comm_thread=True, **opts)
-        direct = run_ep(case, rank, P, dtype=torch.bfloat16, **opts)
-        res[f"same_bits/comm_thread_{name}"] = all(torch.equal(u, v) for u, v in zip(direct, threaded, strict=True))
     return res
 
 
@@ -274,9 +265,6 @@ def test_repeated_runs_bitwise_equal(P):
         "same_bits/deferred",
         "same_bits/no_overlap",
         "same_bits/comm_sms",
-        "same_bits/comm_thread",
-        "same_bits/comm_thread_chunks2_by_source",
-        "same_bits/comm_thread_stepwise",
     }
     for rank, res in enumerate(_equivalence(P)):
         for key in [k for k in res if k.startswith(("bitwise/", "same_bits/"))]:
@@ -514,43 +502,3 @@ def test_deferred_wgrad_adds_into_main_grads_through_out():
     torch.testing.assert_close(w1.main_grad, 1 + g1 + g1, rtol=0, atol=0)
     torch.testing.assert_close(w2.main_grad, 1 + g2 + g2, rtol=0, atol=0)
     assert w1.grad_added_to_main_grad and w2.grad_added_to_main_grad
-
-
-def _comm_thread_worker(rank, P):
-    """CommThread on gloo: collectives issue in submission order, an error raised while issuing reaches the
-    caller, and a direct collective after queued ones first drains the thread (no reordering)."""
-    from sonic_megatron.token_dispatch import comm
-
-    group = dist.group.WORLD
-    thread = comm.comm_thread_for(group)
-    assert comm.comm_thread_for(group) is thread  # one per group
-    outs, pend = [], comm.Pending()
-    for k in range(5):  # each round's values differ, so a reordering would show
-        inp = torch.full((P * 2,), float(100 * k + rank))
-        outs.append(torch.empty(P * 2))
-        pend.add(comm.all_to_all(outs[-1], inp, [2] * P, [2] * P, group, async_op=True, thread=thread))
-    direct = comm.all_gather(torch.tensor([rank + 0.5]), group)  # issued directly: drains the queue first
-    pend.wait()
-    order_ok = all(
-        torch.equal(o, torch.tensor([100.0 * k + s for s in range(P) for _ in range(2)])) for k, o in enumerate(outs)
-    )
-    try:
-        thread.submit(lambda: (_ for _ in ()).throw(RuntimeError("boom"))).wait()
-        raised = False
-    except RuntimeError as exc:
-        raised = "boom" in str(exc)
-    # The caller needing a result the thread has not issued yet issues the queued calls itself, in order.
-    import time
-
-    log = []
-    slow = thread.submit(lambda: (time.sleep(0.2), log.append(1)))
-    time.sleep(0.05)  # the thread is inside the slow call now
-    later = [thread.submit(lambda k=k: log.append(k)) for k in (2, 3)]
-    later[1].result()
-    stolen_in_order = log == [1, 2, 3] and slow.done and later[0].done
-    return order_ok, direct.flatten().tolist() == [r + 0.5 for r in range(P)], raised, stolen_in_order
-
-
-def test_comm_thread_order_errors_and_drain():
-    for order_ok, direct_ok, raised, stolen_in_order in run_distributed(_comm_thread_worker, 2):
-        assert order_ok and direct_ok and raised and stolen_in_order

@@ -73,8 +73,6 @@ NAMES = ("out", "dx", "dlogits", "dw1", "dw2")
         (2, "random", {"num_chunks": 2, "comm_sms": 8}),
         (2, "skewed", {"redispatch_x_in_backward": True}),
         (4, "random", {}),
-        (2, "skewed", {"comm_thread": True}),
-        (4, "empty_rank", {"comm_thread": True, "num_chunks": 2}),
     ],
 )
 def test_interleaved_equals_autograd_bitwise(P, kind, opts):

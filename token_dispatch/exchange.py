@@ -22,13 +22,13 @@ def _exchange(plan: EPPlan, i: int, out: torch.Tensor, inp: torch.Tensor, pendin
         return
     c, dst, src = plan.stage_peers(i)
     if plan.by_source:
-        for work in send_recv(inp, src if back else dst, out, dst if back else src, plan.group, plan.comm_thread):
+        for work in send_recv(inp, src if back else dst, out, dst if back else src, plan.group):
             pending.add(work)
         return
     send = (plan.send_pairs if pairs else plan.send_rows)[c]
     recv = (plan.recv_pairs if pairs else plan.recv_rows)[c]
     out_splits, in_splits = (send, recv) if back else (recv, send)
-    pending.add(all_to_all(out, inp, out_splits, in_splits, plan.group, True, plan.comm_thread))
+    pending.add(all_to_all(out, inp, out_splits, in_splits, plan.group, True))
 
 
 def rows_to_experts(plan: EPPlan, send_SD: torch.Tensor, recv_stage: torch.Tensor, i: int, pending: Pending) -> None:

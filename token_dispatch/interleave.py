@@ -114,7 +114,6 @@ def _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, o: dict):
             w1_EGD=w1_EGD,
             w2_EDF=w2_EDF,
             activation=o["activation"],
-            comm_thread=o["comm_thread"],
         )
     fwd = _forward_steps(
         x_TD.contiguous(),
@@ -150,13 +149,10 @@ def ep_forward(
     comm_sms: int = 0,
     redispatch_x_in_backward: bool = False,
     overlap: bool = True,
-    comm_thread: bool = False,
 ) -> tuple[torch.Tensor, EPForward]:
     """The expert-parallel experts forward of one micro-batch without autograd: (out_TD, state for the
     backward; it keeps H and the received rows, as the autograd path does in training). Arguments as
-    ``expert_parallel_experts`` (``comm_sms``: SMs the GEMMs leave free for the all-to-alls in flight;
-    ``comm_thread``: issue the collectives from the group's background thread; the backward issues its
-    collectives the way its forward's plan did)."""
+    ``expert_parallel_experts`` (``comm_sms``: SMs the GEMMs leave free for the all-to-alls in flight)."""
     options = dict(
         group=group,
         num_experts=num_experts,
@@ -168,7 +164,6 @@ def ep_forward(
         comm_sms=comm_sms,
         redispatch_x_in_backward=redispatch_x_in_backward,
         overlap=overlap,
-        comm_thread=comm_thread,
     )
     out_TD, state, _ = _forward_with(None, None, x_TD, routing, w1_EGD, w2_EDF, options)
     return out_TD, state
@@ -199,7 +194,6 @@ def ep_forward_backward(
     comm_sms: int = 0,
     redispatch_x_in_backward: bool = False,
     overlap: bool = True,
-    comm_thread: bool = False,
 ) -> tuple[torch.Tensor, EPForward, EPGrads]:
     """The backward of micro-batch ``prev`` (output gradient ``grad_prev_TD``) interleaved with the forward of
     the next micro-batch (the remaining arguments, as ``ep_forward``): (out_TD, its state, prev's gradients).
@@ -217,7 +211,6 @@ def ep_forward_backward(
         comm_sms=comm_sms,
         redispatch_x_in_backward=redispatch_x_in_backward,
         overlap=overlap,
-        comm_thread=comm_thread,
     )
     _check_backward_args(prev, grad_prev_TD, "prev")
     return _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, options)

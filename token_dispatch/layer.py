@@ -234,7 +234,6 @@ def expert_parallel_experts(
     wgrad: DeferredWeightGrad | None = None,
     return_plan: bool = False,
     overlap: bool = True,
-    comm_thread: bool = False,
 ):
     """MoE experts under expert parallelism: O[t] = sum over token t's pairs (t, e, s) of s * expert_e(x[t]),
     where expert e lives on rank e // (E/P). Returns O [T, D] for this rank's tokens (and the plan with
@@ -264,10 +263,6 @@ def expert_parallel_experts(
         return_plan: also return the ``EPPlan`` (split sizes, rounding decision; for tests and benchmarks).
         overlap: ``False`` waits for every all-to-all right after launching it (same results, bitwise;
             for benchmarks that measure how much all-to-all time the overlap hides).
-        comm_thread: issue the layer's collectives from a background thread (``comm.CommThread``, one per
-            group), so the host time of launching them (0.13-0.20 ms per NCCL all-to-all) leaves the calling
-            thread; same results, bitwise. Worth it where the host is the bottleneck (``bench layer``, schedule
-            suffix ``t``).
     """
     ops = resolve_backend(backend, x_TD.device)
     check_comm_sms(comm_sms, "expert_parallel_experts")
@@ -286,7 +281,6 @@ def expert_parallel_experts(
             w1_EGD=w1_EGD,
             w2_EDF=w2_EDF,
             activation=activation,
-            comm_thread=comm_thread,
         )
     args = (plan, ops, activation, redispatch_x_in_backward, wgrad, overlap, comm_sms)
     out = _EPExperts.apply(x_TD.contiguous(), plan.scores_R, w1_EGD, w2_EDF, *args)

@@ -40,16 +40,7 @@ import torch
 
 from ..kernels.routing import FlatRouting, RoutingMetadata, TopKRouting, compute_metadata_torch, flatten_routing
 from . import validation as V
-from .comm import (
-    CommThread,
-    Pending,
-    all_gather,
-    all_to_all,
-    comm_thread_for,
-    group_fingerprint,
-    group_rank,
-    group_size,
-)
+from .comm import Pending, all_gather, all_to_all, group_fingerprint, group_rank, group_size
 from .rounding import RoundingResult, TokenRounding, round_routing
 
 
@@ -64,9 +55,7 @@ class EPPlan:
     (the fixed summation order of combine).  send_rows / send_pairs / recv_rows / recv_pairs: host
     [N][P] split sizes.  recv_meta (property, built on first use): per chunk, RoutingMetadata over the L
     local experts of the received pairs (rows index that chunk's receive buffer).  recv_scores(): the
-    received pairs' scores.  rounding: the RoundingResult when rounding was applied.  by_source: stages per
-    (chunk, source rank).  comm_thread: the group's ``CommThread`` that issues the plan's and the layer's
-    collectives (``None``: issued by the caller's thread).
+    received pairs' scores.  rounding: the RoundingResult when rounding was applied.
     """
 
     group: object
@@ -89,7 +78,6 @@ class EPPlan:
     recv_pairs: list[list[int]]
     rounding: RoundingResult | None = None
     by_source: bool = False
-    comm_thread: CommThread | None = None
     _offsets: dict = field(default_factory=dict, repr=False)
     _incoming: tuple | None = field(default=None, repr=False)  # (pending pair all-to-alls, meta_QC, counts)
     _recv_meta: list | None = field(default=None, repr=False)
@@ -326,7 +314,6 @@ def make_plan(
     w1_EGD: torch.Tensor | None = None,
     w2_EDF: torch.Tensor | None = None,
     activation: str | None = None,
-    comm_thread: bool = False,
 ) -> EPPlan:
     """Plan one MoE layer call under expert parallelism (see the module docstring for its collectives).
 
@@ -343,11 +330,6 @@ def make_plan(
         x_TD, w1_EGD, w2_EDF, activation: optional; when given, their shapes and dtypes are validated and
             compared across ranks in the same header exchange (recommended: a mismatch then raises on all
             ranks instead of failing or hanging inside an all-to-all).
-        comm_thread: issue the group's collectives (this plan's and, through ``EPPlan.comm_thread``, the
-            layer's) from a background thread (``comm.CommThread``), so that the caller's thread spends no host
-            time launching them. A plan's pair all-to-alls may still be queued when it returns: collectives on
-            the group issued outside this package must wait until ``plan.recv_meta`` has been read (the layer
-            functions read it).
     """
     P, rank = group_size(group), group_rank(group)
     T = V.routing_num_tokens(routing)
@@ -368,9 +350,6 @@ def make_plan(
         )
     except (V.EPInputError, TypeError) as exc:
         error = str(exc)
-    if error is None and not isinstance(comm_thread, bool):
-        error = f"comm_thread must be a bool, got {comm_thread!r}"
-    thread = comm_thread_for(group) if comm_thread is True else None
     device = (routing.indices_TK if isinstance(routing, TopKRouting) else routing.token_idx_R).device
     N = num_chunks if error is None else 1
     L = max(num_experts // P, 1) if error is None else 1
@@ -406,26 +385,19 @@ def make_plan(
     # Everything that needs no host size is launched before the sync: the send side (sized by R).
     side = _build_send_side(routing, tok_R, exp_R, scores_R, T, L, P, N) if error is None and rounding is None else None
     # The one host sync of the plan without rounding: header + split sizes (the header check rides along).
-    gathered_dev = all_gather(torch.cat([*hdr, *counts_slot(side)]), group, thread)
+    gathered_dev = all_gather(torch.cat([*hdr, *counts_slot(side)]), group)
     gathered = gathered_dev.tolist()
-    V.check_headers([g[: V.HEADER_LEN] for g in gathered], error, group, num_experts, thread)
+    V.check_headers([g[: V.HEADER_LEN] for g in gathered], error, group, num_experts)
     counts_P = [g[V.HEADER_LEN :] for g in gathered]
     counts_dev = gathered_dev[:, V.HEADER_LEN :]  # the same counts on the device (receive metadata)
     rounded = None
     if rounding is not None:
         rounded = round_routing(
-            tok_R,
-            exp_R,
-            scores_R,
-            rounding_scores_TE,
-            num_experts=num_experts,
-            rounding=rounding,
-            group=group,
-            comm_thread=thread,
+            tok_R, exp_R, scores_R, rounding_scores_TE, num_experts=num_experts, rounding=rounding, group=group
         )
         tok_R, exp_R, scores_R = rounded.token_idx_R, rounded.expert_idx_R, rounded.scores_R
         side = _send_side(tok_R, exp_R, scores_R, T, L, P, N)
-        counts_dev = all_gather(torch.cat(counts_slot(side)), group, thread)
+        counts_dev = all_gather(torch.cat(counts_slot(side)), group)
         counts_P = counts_dev.tolist()  # host sync: sizes after rounding
 
     # --- after the sync: host split sizes [N][P], then at once the pair-metadata all-to-alls ---------------
@@ -459,7 +431,6 @@ def make_plan(
         recv_pairs=recv_pairs,
         rounding=rounded,
         by_source=by_source,
-        comm_thread=thread,
     )
     # Pair metadata (and scores): one all-to-all per chunk, launched now and NOT waited for: the receive
     # metadata is built on first use of ``plan.recv_meta`` (after the caller launched its row all-to-alls).
@@ -468,8 +439,9 @@ def make_plan(
     for c in range(N):
         s0, s1 = plan.chunk_range("send_pairs", c)
         r0, r1 = plan.chunk_range("recv_pairs", c)
-        meta_in, meta_out = side.pair_meta_RC[s0:s1], meta_QC[r0:r1]
-        pending.add(all_to_all(meta_out, meta_in, recv_pairs[c], send_pairs[c], group, async_op=True, thread=thread))
+        pending.add(
+            all_to_all(meta_QC[r0:r1], side.pair_meta_RC[s0:s1], recv_pairs[c], send_pairs[c], group, async_op=True)
+        )
     plan._incoming = (pending, meta_QC, counts_dev)
     return plan
 

@@ -87,7 +87,6 @@ def round_routing(
     num_experts: int,
     rounding: TokenRounding,
     group=None,
-    comm_thread=None,
 ) -> RoundingResult:
     """Round this rank's routing so that every expert's global count is a multiple of ``rounding.tile``.
 
@@ -97,7 +96,6 @@ def round_routing(
         num_experts: E.
         rounding: the mode and tile.
         group: EP process group (``None``: single process, i.e. the reference on concatenated tokens).
-        comm_thread: the group's ``comm.CommThread`` when the caller issues through one (``make_plan``).
 
     Host syncs: the candidate all-gather is device-to-device; reading the duplicate flags of all ranks
     back (a few bytes, so that all ranks raise together) and the rounded pair count (``nonzero``: it sizes
@@ -141,7 +139,7 @@ def round_routing(
     pack[:, C + 2 * M : C + 3 * M] = -inf
     pack[:, C + 2 * M : C + 2 * M + k] = torch.where(add_valid, add_s[:, :k], -inf)
     pack[:, C + 3 * M : C + 3 * M + k] = torch.where(add_valid, add_t[:, :k].double(), -1.0)
-    all_PE = all_gather(pack, group, comm_thread)  # the one extra collective of rounding
+    all_PE = all_gather(pack, group)  # the one extra collective of rounding
 
     f_E = all_PE[:, :, 0].sum(0).long()
     total_tokens = all_PE[:, 0, 1].sum().long()

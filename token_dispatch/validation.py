@@ -223,12 +223,11 @@ def header(
     return [*parts, h[start:]]
 
 
-def check_headers(headers_PH, local_error: str | None, group, num_experts: int, thread=None) -> None:
-    """Compare all ranks' headers (a host int list of lists) and raise the same EPInputError on every rank.
-    ``thread``: the group's ``comm.CommThread`` when the plan issues through one."""
+def check_headers(headers_PH, local_error: str | None, group, num_experts: int) -> None:
+    """Compare all ranks' headers (a host int list of lists) and raise the same EPInputError on every rank."""
     P = len(headers_PH)
     if any(h[0] for h in headers_PH):
-        msgs = all_gather_strings(local_error or "", group, thread)
+        msgs = all_gather_strings(local_error or "", group)
         bad = "; ".join(f"rank {r}: {m}" for r, m in enumerate(msgs) if m)
         raise EPInputError(f"expert-parallel dispatch: bad input on {bad}")
     problems = []

@@ -8,9 +8,7 @@ Providers (same routing, same weights, bf16):
     dW GEMMs with the backward all-to-all), for each ``--chunks`` schedule (``N``: N token chunks; ``Ns``:
     N chunks each split by source rank, ``by_source``; ``Ni``: N chunks, two micro-batches interleaved --
     each call runs the forward of a micro-batch with the backward of the previous one,
-    ``token_dispatch.ep_forward_backward``, so a call is still one forward and one backward; any of them
-    followed by ``t``, e.g. ``1it``: the collectives are issued from the group's background thread,
-    ``comm_thread=True``), with overlap
+    ``token_dispatch.ep_forward_backward``, so a call is still one forward and one backward), with overlap
     for each ``--comm-sms`` value (SMs the GEMMs leave free while an all-to-all is in flight) and without
     overlap (``overlap=False`` waits for each all-to-all at once: same bits, no hiding; all SMs to the GEMMs);
   * ``megatron`` -- Megatron-core's ``MoEAlltoAllTokenDispatcher`` (unfused permute) + an experts module of
@@ -25,8 +23,7 @@ once (overlap on for each ``--comm-sms`` value, overlap off, no a2a, the all-to-
 each call from an idle device after a barrier; a variant's time is its median over rounds (max over ranks per
 round). Per overlap-on variant:
     a2a_hidden   = clip(1 - exposed / t_a2a(s), 0, 1),  exposed = median over rounds of t_on - t_no_a2a:
-                   the share of the all-to-all time that adds no wall time (with the comm thread t_no_a2a is,
-                   per round, the faster of the layer without all-to-alls with and without the thread);
+                   the share of the all-to-all time that adds no wall time;
     overlap_gain = clip(median over rounds of (t_off - t_on) / t_a2a(s), 0, 1):
                    what the overlap schedule buys over waiting for each all-to-all at once ("overlap off": same
                    kernels, same bits, all SMs to the GEMMs).
@@ -36,8 +33,6 @@ When the layer is host-bound (host_ms close to ms) the all-to-alls also hide in 
 a2a_hidden counts and overlap_gain mostly does not; ``--profile`` adds the kernel-level share (all-to-all kernel
 time during which a compute kernel runs on the GPU, from the trace), which counts only hiding behind kernels.
 ``host_ms`` is the time until the Python call (forward + backward) returns, before the final device sync.
-A ``t`` schedule is timed with and without the comm thread in the same rounds (rows ``Nt`` and ``N``, etc.);
-``thread_gain_ms`` = median over rounds of t(without) - t(with the thread), same variant and comm_sms.
 ``rel_diff_out`` / ``rel_diff_dx``: max relative difference of the output / dX against the first
 ``--chunks`` value (a check of the chunk plumbing; chunking only changes dW's rounding).
 ``bitwise`` says whether the output and all gradients with overlap equal those without, bit for bit;
@@ -75,8 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="1,2",
         help="comma-separated pipeline schedules for ours: num_chunks N, Ns for N chunks split by source rank "
         "(by_source: own rows first, then one exchange per peer), or Ni for N chunks with two micro-batches "
-        "interleaved (the forward of one with the backward of the previous one); a trailing t (e.g. 1t, 1it) "
-        "issues the collectives from a background thread (comm_thread); default 1,2",
+        "interleaved (the forward of one with the backward of the previous one); default 1,2",
     )
     parser.add_argument(
         "--comm-sms",
@@ -193,24 +187,17 @@ def _a2a_alone(plan, x, device):
 
 
 SCHEDULE_KINDS = ("", "s", "i")  # token chunks, by source, two micro-batches interleaved
-THREAD_SUFFIX = "t"  # any kind + "t": the collectives are issued from the group's background thread
 
 
 def _schedule(text: str) -> tuple[int, str]:
     """``--chunks`` entry: ``N`` (token chunks), ``Ns`` (N chunks, each split by source rank) or ``Ni`` (N
-    chunks, two micro-batches interleaved), each optionally followed by ``t`` (collectives issued from a
-    background thread, ``comm_thread=True``): (N, kind), kind e.g. "", "s", "it"."""
+    chunks, two micro-batches interleaved): (N, kind)."""
     t = text.strip()
-    thread = THREAD_SUFFIX if t.endswith(THREAD_SUFFIX) else ""
-    t = t[: len(t) - len(thread)]
     kind = t[-1:] if t[-1:] in SCHEDULE_KINDS[1:] else ""
     n = t[: len(t) - len(kind)]
     if not n.isdigit() or int(n) < 1:
-        raise SystemExit(
-            f"--chunks: each entry must be N, Ns or Ni with N >= 1, optionally followed by t (e.g. 1,2,1s,1i,1it), "
-            f"got {text!r}"
-        )
-    return int(n), kind + thread
+        raise SystemExit(f"--chunks: each entry must be N, Ns or Ni with N >= 1 (e.g. 1,2,1s,1i), got {text!r}")
+    return int(n), kind
 
 
 def _label(sched: tuple[int, str]) -> str:
@@ -446,12 +433,10 @@ def run(args) -> int:
     routing = TopKRouting(scores, indices)
     results, outputs = [], {}
 
-    def ours(sched, overlap, comm_sms=0, thread=None):
+    def ours(sched, overlap, comm_sms=0):
         chunks, kind = sched
-        thread = kind.endswith(THREAD_SUFFIX) if thread is None else thread
-        kind = kind.removesuffix(THREAD_SUFFIX)
         if kind == "i":
-            return interleaved(chunks, overlap, comm_sms, thread)
+            return interleaved(chunks, overlap, comm_sms)
 
         def fn():
             out = expert_parallel_experts(
@@ -466,18 +451,17 @@ def run(args) -> int:
                 by_source=kind == "s",
                 comm_sms=comm_sms,
                 overlap=overlap,
-                comm_thread=thread,
             )
             out.backward(grad)
             return out
 
         return fn
 
-    def interleaved(chunks, overlap, comm_sms, thread):
+    def interleaved(chunks, overlap, comm_sms):
         """A call: the forward of a micro-batch with the backward of the previous one (the first call also
         runs the first forward). Same tokens every time; gradients accumulate into .grad as autograd's do."""
         kw = dict(group=group, num_experts=E, backend=args.backend, num_chunks=chunks, comm_sms=comm_sms)
-        kw.update(overlap=overlap, comm_thread=thread)
+        kw.update(overlap=overlap)
         state = []
 
         def fn():
@@ -555,37 +539,26 @@ def run(args) -> int:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         # Interleaved rounds: overlap on (each comm_sms), overlap off, the layer without its all-to-alls, and the
         # all-to-alls alone (same plan), each once per round.
-        base = kind.removesuffix(THREAD_SUFFIX)
-        plan = make_plan(routing, num_experts=E, group=group, x_TD=x0, num_chunks=chunks, by_source=base == "s")
-        # A ``t`` schedule is timed with and without the comm thread in the same rounds (paired comparison).
-        threads = (True, False) if kind.endswith(THREAD_SUFFIX) else (False,)
+        plan = make_plan(routing, num_experts=E, group=group, x_TD=x0, num_chunks=chunks, by_source=kind == "s")
         none = contextlib.nullcontext
-        variants = {}
-        for th in threads:
-            variants.update({("on", v, th): (ours(sched, True, v, th), none) for v in sms_list})
-            variants[("off", 0, th)] = (ours(sched, False, 0, th), none)
-            variants[("no a2a", 0, th)] = (ours(sched, True, 0, th), _no_layer_a2a)
+        variants = {("on", v): (ours(sched, True, v), none) for v in sms_list}
+        variants[("off", 0)] = (ours(sched, False), none)
+        variants[("no a2a", 0)] = (ours(sched, True, 0), _no_layer_a2a)
         variants["a2a"] = (_a2a_alone(plan, x0, device), none)
         timing = _timed_rounds(variants, device, args.warmup, args.iters)
         t_a2a[_label(sched)] = t_c = _median(timing.pop("a2a")[0])
-        t_direct = timing[("no a2a", 0, False)][0]
-        for (overlap, comm_sms, th), (total, host) in timing.items():
+        t_none, t_off = timing[("no a2a", 0)][0], timing[("off", 0)][0]
+        for (overlap, comm_sms), (total, host) in timing.items():
             t = _median(total)
-            row = dict(provider="ours", chunks=_label((chunks, base + THREAD_SUFFIX * th)), comm_sms=comm_sms)
+            row = dict(provider="ours", chunks=_label(sched), comm_sms=comm_sms)
             row.update(overlap=overlap if overlap == "no a2a" else overlap == "on")
             row.update(ms=t * 1e3, host_ms=_median(host) * 1e3, tokens_per_s=P * T / t, a2a_alone_ms=t_c * 1e3)
             if overlap == "on":
-                # With the thread the reference is, per round, the faster of the layer without all-to-alls with
-                # and without it.
-                t_none = timing[("no a2a", 0, th)][0]
-                t_none = [min(a, b) for a, b in zip(t_none, t_direct, strict=True)]
-                exposed, gain = _paired(total, t_none), _paired(timing[("off", 0, th)][0], total)
+                exposed, gain = _paired(total, t_none), _paired(t_off, total)
                 row["a2a_exposed_ms"] = exposed * 1e3
                 row["a2a_hidden"] = max(0.0, min(1.0, 1 - exposed / t_c)) if t_c > 0 else None
                 row["overlap_gain"] = max(0.0, min(1.0, gain / t_c)) if t_c > 0 else None
-            if th:  # what the thread saves against issuing directly, same rounds
-                row["thread_gain_ms"] = _paired(timing[(overlap, comm_sms, False)][0], total) * 1e3
-            if overlap != "no a2a" and th == threads[0]:  # the flags were computed on the schedule's own path
+            if overlap != "no a2a":
                 row.update(bitwise=bool(flag[0].item() == 0.0), bitwise_vs_first=bool(flag[1].item() == 0.0))
                 row.update(rel_diff_out=float(flag[2]), rel_diff_dx=float(flag[3]))
             results.append(row)
@@ -632,7 +605,6 @@ def run(args) -> int:
         print(f"bench layer: P={P} T={T} d={D} n={Fn} E={E} K={K} {args.dtype} on {device.type}")
         cols = ["provider", "chunks", "comm_sms", "overlap", "ms", "host_ms", "tokens_per_s", "a2a_alone_ms"]
         cols += ["a2a_exposed_ms", "a2a_hidden", "overlap_gain"]
-        cols += ["thread_gain_ms"] if any("thread_gain_ms" in r for r in results) else []
         print_table(results, cols + ["bitwise", "bitwise_vs_first", "rel_diff_out", "rel_diff_dx"])
         print(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
         if baseline_error:
