@@ -20,13 +20,13 @@ import torch
 
 from .activations import act_forward, act_forward_backward
 from .routing import RoutingMetadata
+from .sm_reservation import check_reservation
 
 
-def reserve_sms(n: int) -> contextlib.AbstractContextManager:
+def reserve_sms(n: int, gemms: int | None = None) -> contextlib.AbstractContextManager:
     """The backend contract's SM reservation (see ``cute/sm_budget.py``): a no-op here, PyTorch's kernels are
     not persistent, so a concurrent collective always finds SMs."""
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"reserve_sms: n must be an int >= 0 (SMs to leave free), got {n!r}")
+    check_reservation(n, gemms)
     return contextlib.nullcontext()
 
 

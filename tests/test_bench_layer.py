@@ -69,7 +69,12 @@ def test_paired_difference_is_the_median_of_per_round_differences():
     assert B._median([3.0, 1.0, 2.0]) == 2.0
 
 
-def _bench_layer_worker(rank, world_size, path, extra=("--chunks", "1,2,1i", "--comm-sms", "0,8", "--no-baseline")):
+def _bench_layer_worker(
+    rank,
+    world_size,
+    path,
+    extra=("--chunks", "1,2,1i", "--comm-sms", "0,8", "--sm-reservation", "auto,all", "--no-baseline"),
+):
     import argparse
 
     parser = argparse.ArgumentParser()
@@ -97,11 +102,15 @@ def test_bench_layer_on_cpu_times_every_variant_interleaved(tmp_path):
     assert result["timing"].startswith("interleaved: 3 rounds")
     for chunks in ("1", "2", "1i"):
         mine = [r for r in rows if r["chunks"] == chunks]
-        # overlap on for comm_sms 0 and 8, overlap off, no a2a
-        assert [(r["overlap"], r["comm_sms"]) for r in mine] == [(True, 0), (True, 8), (False, 0), ("no a2a", 0)]
+        # overlap on for comm_sms 0 and 8 (for 1i under both SM-reservation policies), overlap off, no a2a
+        on = [(True, 0), (True, 8)] if chunks != "1i" else [(True, 0)] * 2 + [(True, 8)] * 2
+        assert [(r["overlap"], r["comm_sms"]) for r in mine] == [*on, (False, 0), ("no a2a", 0)]
+        if chunks == "1i":
+            assert [r.get("sm_reservation") for r in mine] == ["auto", "all", "auto", "all", None, None]
+            assert all(("vs_all_ms" in r) == (r.get("sm_reservation") == "auto") for r in mine)
         for r in mine:
             assert r["ms"] > 0 and r["host_ms"] > 0 and r["a2a_alone_ms"] > 0
-        for r in mine[:2]:
+        for r in mine[: len(on)]:
             assert 0.0 <= r["a2a_hidden"] <= 1.0 and 0.0 <= r["overlap_gain"] <= 1.0
             assert r["bitwise"] and r["rel_diff_out"] < 1e-5
             # the interleaved micro-batches compute exactly what the one-chunk autograd path computes

@@ -169,6 +169,9 @@ def test_reserve_sms_same_bits_fewer_clusters():
             assert reserved_sms() == 16
             assert module.get_max_active_clusters(2) == full - 8, module.__name__
         assert reserved_sms() == 0
+        with reserve_sms(16, gemms=1):  # only the first GEMM launched inside leaves SMs free
+            assert module.get_max_active_clusters(2) == full - 8, module.__name__
+            assert module.get_max_active_clusters(2) == full, module.__name__
     args = _case(4096, 512, 256, 32, 4, kind="hot", seed=4)
     a = _run("cute", *args)
     with reserve_sms(40):

@@ -38,7 +38,8 @@ def _functional(case, rank, P, opts, step):
 
 def _interleave_worker(rank, P, kind, opts):
     a, b = _micro_batches(kind, P)
-    ref_a, ref_b = _autograd(a, rank, P, opts), _autograd(b, rank, P, opts)
+    ref_opts = {k: v for k, v in opts.items() if k != "sm_reservation"}  # an option of the interleaved path only
+    ref_a, ref_b = _autograd(a, rank, P, ref_opts), _autograd(b, rank, P, ref_opts)
     off_a, T_a = sum(a["T_r"][:rank]), a["T_r"][rank]
     off_b, T_b = sum(b["T_r"][:rank]), b["T_r"][rank]
     # A's forward alone, then B's forward interleaved with A's backward, then B's backward alone.
@@ -73,6 +74,7 @@ NAMES = ("out", "dx", "dlogits", "dw1", "dw2")
         (2, "random", {"num_chunks": 2, "comm_sms": 8}),
         (2, "skewed", {"redispatch_x_in_backward": True}),
         (4, "random", {}),
+        (2, "skewed", {"comm_sms": 8, "sm_reservation": "all"}),
     ],
 )
 def test_interleaved_equals_autograd_bitwise(P, kind, opts):
@@ -129,11 +131,17 @@ def test_launch_order(monkeypatch):
     assert "wait" not in log[i_combine_b : log.index("backward_weights")], log
 
 
-def test_bad_comm_sms():
+def test_bad_comm_sms_or_sm_reservation():
     a, _ = _micro_batches("random", 1)
     off, T, x, logits, w1, w2 = _leaves(a, 0, 1, torch.float64)
+    kw = dict(num_experts=a["E"], backend="torch")
     with pytest.raises(ValueError, match="comm_sms must be an int >= 0"):
-        ep_forward(x, build_routing(a, logits, off, T), w1, w2, num_experts=a["E"], backend="torch", comm_sms=-1)
+        ep_forward(x, build_routing(a, logits, off, T), w1, w2, comm_sms=-1, **kw)
+    with pytest.raises(ValueError, match=r"ep_forward: sm_reservation must be one of \('auto', 'all'\), got 'some'"):
+        ep_forward(x, build_routing(a, logits, off, T), w1, w2, sm_reservation="some", **kw)
+    _, fwd = ep_forward(x, build_routing(a, logits, off, T), w1, w2, **kw)
+    with pytest.raises(ValueError, match="ep_forward_backward: sm_reservation must be one of"):
+        ep_forward_backward(fwd, a["grad"], x, build_routing(a, logits, off, T), w1, w2, sm_reservation=1, **kw)
 
 
 def test_bad_state_or_gradient():

@@ -34,7 +34,16 @@ import torch
 
 from ..kernels.interface import resolve_backend
 from ..kernels.routing import FlatRouting, TopKRouting
-from .layer import _backward_steps, _forward_steps, _free_sms, _Saved, check_comm_sms, record_function, run_steps
+from .layer import (
+    _backward_steps,
+    _forward_steps,
+    _free_sms,
+    _Saved,
+    check_comm_sms,
+    check_sm_reservation,
+    record_function,
+    run_steps,
+)
 from .plan import EPPlan, make_plan
 from .rounding import TokenRounding
 
@@ -50,6 +59,7 @@ class EPForward:
     w1_EGD: torch.Tensor
     w2_EDF: torch.Tensor
     comm_sms: int
+    sm_reservation: str = "auto"
 
 
 @dataclass
@@ -65,7 +75,7 @@ class EPGrads:
 def _backward(fwd: EPForward, grad_TD: torch.Tensor, concurrent: bool):
     """fwd's backward steps; ``concurrent``: its GEMMs run beside another micro-batch's all-to-alls."""
     scores = fwd.plan.scores_R
-    free_sms = _free_sms(fwd.plan, fwd.comm_sms, not fwd.saved.eager, concurrent=concurrent)
+    free_sms = _free_sms(fwd.plan, fwd.comm_sms, not fwd.saved.eager, concurrent, fwd.sm_reservation)
     return _backward_steps(
         grad_TD,
         dataclasses.replace(fwd.saved, free_sms=free_sms),
@@ -95,6 +105,7 @@ def _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, o: dict):
     (out_TD, EPForward, prev's EPGrads or None). ``o``: the keyword arguments of ``ep_forward``."""
     caller = "ep_forward" if prev is None else "ep_forward_backward"
     check_comm_sms(o["comm_sms"], caller)
+    check_sm_reservation(o["sm_reservation"], caller)
     ops = resolve_backend(o["backend"], x_TD.device)  # before prev's collectives go out
     bwd = None
     if prev is not None:  # checked by ep_forward_backward
@@ -123,13 +134,13 @@ def _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, o: dict):
         ops,
         o["activation"],
         overlap=o["overlap"],
-        free_sms=_free_sms(plan, o["comm_sms"], o["overlap"], concurrent=bwd is not None),
+        free_sms=_free_sms(plan, o["comm_sms"], o["overlap"], bwd is not None, o["sm_reservation"]),
         store_h=True,
         redispatch=o["redispatch_x_in_backward"],
     )
     with torch.no_grad():
         (out_TD, saved), grads = _alternate(fwd, bwd) if bwd is not None else (run_steps(fwd), None)
-    state = EPForward(plan, ops, o["activation"], saved, w1_EGD, w2_EDF, o["comm_sms"])
+    state = EPForward(plan, ops, o["activation"], saved, w1_EGD, w2_EDF, o["comm_sms"], o["sm_reservation"])
     return out_TD, state, None if grads is None else EPGrads(*grads)
 
 
@@ -149,10 +160,15 @@ def ep_forward(
     comm_sms: int = 0,
     redispatch_x_in_backward: bool = False,
     overlap: bool = True,
+    sm_reservation: str = "auto",
 ) -> tuple[torch.Tensor, EPForward]:
     """The expert-parallel experts forward of one micro-batch without autograd: (out_TD, state for the
     backward; it keeps H and the received rows, as the autograd path does in training). Arguments as
-    ``expert_parallel_experts`` (``comm_sms``: SMs the GEMMs leave free for the all-to-alls in flight)."""
+    ``expert_parallel_experts`` (``comm_sms``: SMs the GEMMs leave free for the all-to-alls in flight), and
+    ``sm_reservation``: in which GEMMs of an interleaved step the ``comm_sms`` reservation applies -- "auto"
+    (default): only the first GEMM of each forward / backward-data call, the rest get every SM (the other
+    micro-batch's all-to-all beside them is shorter than the call); "all": every GEMM beside a collective.
+    Results are bitwise the same either way."""
     options = dict(
         group=group,
         num_experts=num_experts,
@@ -164,6 +180,7 @@ def ep_forward(
         comm_sms=comm_sms,
         redispatch_x_in_backward=redispatch_x_in_backward,
         overlap=overlap,
+        sm_reservation=sm_reservation,
     )
     out_TD, state, _ = _forward_with(None, None, x_TD, routing, w1_EGD, w2_EDF, options)
     return out_TD, state
@@ -194,6 +211,7 @@ def ep_forward_backward(
     comm_sms: int = 0,
     redispatch_x_in_backward: bool = False,
     overlap: bool = True,
+    sm_reservation: str = "auto",
 ) -> tuple[torch.Tensor, EPForward, EPGrads]:
     """The backward of micro-batch ``prev`` (output gradient ``grad_prev_TD``) interleaved with the forward of
     the next micro-batch (the remaining arguments, as ``ep_forward``): (out_TD, its state, prev's gradients).
@@ -211,6 +229,7 @@ def ep_forward_backward(
         comm_sms=comm_sms,
         redispatch_x_in_backward=redispatch_x_in_backward,
         overlap=overlap,
+        sm_reservation=sm_reservation,
     )
     _check_backward_args(prev, grad_prev_TD, "prev")
     return _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, options)

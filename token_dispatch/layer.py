@@ -67,6 +67,20 @@ def _comm_sms(plan: EPPlan, comm_sms: int, overlap: bool, multi_stage_only: bool
     return comm_sms
 
 
+SM_RESERVATIONS = ("auto", "all")
+
+
+@dataclass(frozen=True)
+class _SMBudget:
+    """SMs the GEMMs leave free for collectives in flight: in a forward / backward-data call (``data``), in a
+    weight-gradient call (``weights``), and in how many of a forward / backward-data call's GEMMs
+    (``data_gemms``; None: all of them)."""
+
+    data: int
+    weights: int
+    data_gemms: int | None = None
+
+
 @dataclass
 class _Saved:
     """What the backward needs from the forward: the received (deduplicated) token rows -- or only the local X
@@ -75,18 +89,30 @@ class _Saved:
     x: torch.Tensor | None  # None inside the autograd context (the tensors go through save_for_backward)
     s_recv: torch.Tensor | None
     hs: list
-    free_sms: tuple[int, int]  # SMs left free by (forward / backward-data GEMMs, weight-gradient GEMMs)
+    free_sms: _SMBudget
     eager: bool
     redispatch: bool
 
 
-def _free_sms(plan: EPPlan, comm_sms: int, overlap: bool, concurrent: bool) -> tuple[int, int]:
-    """(forward and backward-data GEMMs, weight-gradient GEMMs): ``comm_sms`` wherever a collective can be in
-    flight. ``concurrent``: another micro-batch's all-to-alls run beside every GEMM (``interleave.py``)."""
-    return (
-        _comm_sms(plan, comm_sms, overlap, multi_stage_only=not concurrent),
-        _comm_sms(plan, comm_sms, overlap, multi_stage_only=False),
+def _free_sms(plan: EPPlan, comm_sms: int, overlap: bool, concurrent: bool, reservation: str = "auto") -> _SMBudget:
+    """``comm_sms`` wherever a collective can be in flight. ``concurrent``: another micro-batch's all-to-alls
+    run beside every GEMM (``interleave.py``). There each of them is shorter than the forward / backward-data
+    call beside it (one all-to-all of rows vs two grouped GEMMs and a gather-sum), so with ``reservation``
+    "auto" only the call's first GEMM leaves SMs free: the NCCL kernel started beside it keeps its SMs into the
+    second, which otherwise gets every SM. "all": every GEMM (also the only policy with one micro-batch, whose
+    stages' collectives are not bounded by one call). The weight-gradient GEMMs always reserve (the combine
+    all-to-all beside them is about as long as both)."""
+    return _SMBudget(
+        data=_comm_sms(plan, comm_sms, overlap, multi_stage_only=not concurrent),
+        weights=_comm_sms(plan, comm_sms, overlap, multi_stage_only=False),
+        data_gemms=1 if concurrent and reservation == "auto" else None,
     )
+
+
+def check_sm_reservation(value, caller: str) -> None:
+    """``sm_reservation`` must be one of SM_RESERVATIONS."""
+    if value not in SM_RESERVATIONS:
+        raise ValueError(f"{caller}: sm_reservation must be one of {SM_RESERVATIONS}, got {value!r}")
 
 
 def _forward_steps(x_TD, w1, w2, plan: EPPlan, ops, activation, *, overlap, free_sms, store_h, redispatch):
@@ -108,7 +134,7 @@ def _forward_steps(x_TD, w1, w2, plan: EPPlan, ops, activation, *, overlap, free
     pend_y, hs, keep = Pending(eager), [], []
     for i in range(S):
         pend_x[i].wait()  # stage i's rows and scores
-        with record_function(f"ep.fwd.experts[{i}]"), ops.reserve_sms(free_sms[0]):
+        with record_function(f"ep.fwd.experts[{i}]"), ops.reserve_sms(free_sms.data, free_sms.data_gemms):
             o, h = ops.forward(
                 X.recv_rows(plan, x_recv, i), X.recv_pairs(plan, s_recv, i), w1, w2, metas[i], activation, store_h
             )
@@ -129,7 +155,7 @@ def _backward_steps(grad_TD, saved: _Saved, w1, w2, plan: EPPlan, ops, activatio
     and before the last stage's weight-gradient GEMMs); returns (dx_TD, dscores_R, dw1, dw2).
     ``want``: which of (dx, dscores, weights) are needed; ``scores_like``: (shape, dtype) of plan.scores_R."""
     S, D, eager = plan.num_stages, grad_TD.shape[1], saved.eager
-    free_data, free_weights = saved.free_sms
+    free = saved.free_sms
     want_dx, want_ds, want_w = want
     grad_TD = grad_TD.contiguous()
     dO_recv = grad_TD.new_empty(plan.num_recv_rows, D)
@@ -150,7 +176,7 @@ def _backward_steps(grad_TD, saved: _Saved, w1, w2, plan: EPPlan, ops, activatio
         pend_dO[i].wait()
         pend_x[i].wait()
         dO, x, meta = X.recv_rows(plan, dO_recv, i), X.recv_rows(plan, x_recv, i), plan.recv_meta[i]
-        with record_function(f"ep.bwd.data[{i}]"), ops.reserve_sms(free_data):
+        with record_function(f"ep.bwd.data[{i}]"), ops.reserve_sms(free.data, free.data_gemms):
             dx, ds, (ap, dH) = ops.backward_data(
                 dO, x, saved.hs[i], X.recv_pairs(plan, saved.s_recv, i), w1, w2, meta, activation
             )
@@ -161,7 +187,7 @@ def _backward_steps(grad_TD, saved: _Saved, w1, w2, plan: EPPlan, ops, activatio
         if i == S - 1:
             yield  # the last stage's dX / dS all-to-alls are in flight
         if want_w:  # runs while stage i's dX / dS all-to-alls are in flight
-            with record_function(f"ep.bwd.weights[{i}]"), ops.reserve_sms(free_weights):
+            with record_function(f"ep.bwd.weights[{i}]"), ops.reserve_sms(free.weights):
                 dws = _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, wgrad, dws, S)
     pend_back.wait()
     dw1, dw2 = _in_weight_dtype(dws, w1, w2)

@@ -13,42 +13,19 @@ the compiled kernel, not part of its compile key: no recompilation), looked up a
 the three GEMM families we call (``quack.gemm``, ``quack.gemm_act``, ``quack.gemm_dact``). ``install()``
 (called when ``kernels.cute`` is imported) points those three names at a wrapper that subtracts the
 reservation of the calling context, and leaves QuACK's value untouched outside ``reserve_sms``. The
-reservation is a ``contextvars.ContextVar`` (per thread / task), not a process-wide setting.
+reservation itself (a ``contextvars.ContextVar``, per thread / task, not a process-wide setting; optionally for
+the first k GEMM launches only) lives in ``kernels/sm_reservation.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import importlib
-from collections.abc import Iterator
 
-_RESERVED_SMS: contextvars.ContextVar[int] = contextvars.ContextVar("sonic_megatron_reserved_sms", default=0)
+from ..sm_reservation import budgeted_clusters, reserve_sms, reserved_sms, take_reservation
+
+__all__ = ["install", "reserve_sms", "reserved_sms"]
+
 _PATCHED_MODULES = ("quack.gemm", "quack.gemm_act", "quack.gemm_dact")
-
-
-def reserved_sms() -> int:
-    """SMs the GEMMs launched now leave free (0 outside ``reserve_sms``)."""
-    return _RESERVED_SMS.get()
-
-
-@contextlib.contextmanager
-def reserve_sms(n: int) -> Iterator[None]:
-    """QuACK GEMMs launched inside leave at least ``n`` SMs free (n >= 0; 0 = all SMs, QuACK's default)."""
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"reserve_sms: n must be an int >= 0 (SMs to leave free), got {n!r}")
-    token = _RESERVED_SMS.set(n)
-    try:
-        yield
-    finally:
-        _RESERVED_SMS.reset(token)
-
-
-def budgeted_clusters(full_clusters: int, cluster_size: int, reserved: int) -> int:
-    """Clusters a persistent GEMM may launch when ``reserved`` SMs must stay free (at least one)."""
-    if reserved <= 0:
-        return full_clusters
-    return max(1, full_clusters - -(-reserved // max(cluster_size, 1)))
 
 
 def install() -> None:
@@ -58,7 +35,7 @@ def install() -> None:
     full = cute_dsl_utils.get_max_active_clusters
 
     def get_max_active_clusters(cluster_size: int, *args, **kwargs) -> int:
-        return budgeted_clusters(full(cluster_size, *args, **kwargs), cluster_size, _RESERVED_SMS.get())
+        return budgeted_clusters(full(cluster_size, *args, **kwargs), cluster_size, take_reservation())
 
     get_max_active_clusters.sonic_megatron_budget = True
     for name in _PATCHED_MODULES:

@@ -35,6 +35,8 @@ time during which a compute kernel runs on the GPU, from the trace), which count
 ``host_ms`` is the time until the Python call (forward + backward) returns, before the final device sync.
 ``rel_diff_out`` / ``rel_diff_dx``: max relative difference of the output / dX against the first
 ``--chunks`` value (a check of the chunk plumbing; chunking only changes dW's rounding).
+For ``Ni`` schedules every ``--sm-reservation`` policy is timed with overlap on in the same rounds; ``vs_all_ms`` =
+median over rounds of t(all) - t(this policy), same comm_sms.
 ``bitwise`` says whether the output and all gradients with overlap equal those without, bit for bit;
 ``bitwise_vs_first`` whether they equal those of the first ``--chunks`` schedule (expected for ``Ni`` after ``N``).
 ``--count-ops`` replaces the timing by a count of ours' host work (``token_dispatch/launch_count.py``), per
@@ -77,6 +79,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="0",
         help="comma-separated SM counts the GEMMs leave free while an all-to-all is in flight (comm_sms); every "
         "schedule is timed with overlap on for each value; overlap off always uses 0 (default 0)",
+    )
+    parser.add_argument(
+        "--sm-reservation",
+        default="auto",
+        help="comma-separated policies for the Ni schedules (ep_forward_backward's sm_reservation): auto = only "
+        "the first GEMM of each forward / backward-data call leaves comm_sms SMs free, all = every GEMM beside a "
+        "collective; several are timed in the same rounds (default auto)",
     )
     parser.add_argument("--backend", default="auto", help="kernels backend for ours: auto|torch|cute (default auto)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the Megatron baseline")
@@ -433,10 +442,10 @@ def run(args) -> int:
     routing = TopKRouting(scores, indices)
     results, outputs = [], {}
 
-    def ours(sched, overlap, comm_sms=0):
+    def ours(sched, overlap, comm_sms=0, reservation="auto"):
         chunks, kind = sched
         if kind == "i":
-            return interleaved(chunks, overlap, comm_sms)
+            return interleaved(chunks, overlap, comm_sms, reservation)
 
         def fn():
             out = expert_parallel_experts(
@@ -457,11 +466,11 @@ def run(args) -> int:
 
         return fn
 
-    def interleaved(chunks, overlap, comm_sms):
+    def interleaved(chunks, overlap, comm_sms, reservation):
         """A call: the forward of a micro-batch with the backward of the previous one (the first call also
         runs the first forward). Same tokens every time; gradients accumulate into .grad as autograd's do."""
         kw = dict(group=group, num_experts=E, backend=args.backend, num_chunks=chunks, comm_sms=comm_sms)
-        kw.update(overlap=overlap)
+        kw.update(overlap=overlap, sm_reservation=reservation)
         state = []
 
         def fn():
@@ -482,6 +491,11 @@ def run(args) -> int:
 
     sched_list = [_schedule(c) for c in args.chunks.split(",") if c.strip()]
     sms_list = [int(v) for v in args.comm_sms.split(",") if v.strip()]
+    from ..token_dispatch.layer import SM_RESERVATIONS
+
+    policies = [v.strip() for v in args.sm_reservation.split(",") if v.strip()]
+    if not policies or any(v not in SM_RESERVATIONS for v in policies):
+        raise SystemExit(f"--sm-reservation: each entry must be one of {SM_RESERVATIONS}, got {args.sm_reservation!r}")
     if any(v < 0 for v in sms_list):
         raise SystemExit(f"--comm-sms: SM counts must be >= 0, got {args.comm_sms!r}")
     chunk_list = [c for c, _ in sched_list]
@@ -541,16 +555,22 @@ def run(args) -> int:
         # all-to-alls alone (same plan), each once per round.
         plan = make_plan(routing, num_experts=E, group=group, x_TD=x0, num_chunks=chunks, by_source=kind == "s")
         none = contextlib.nullcontext
-        variants = {("on", v): (ours(sched, True, v), none) for v in sms_list}
-        variants[("off", 0)] = (ours(sched, False), none)
-        variants[("no a2a", 0)] = (ours(sched, True, 0), _no_layer_a2a)
+        # The sm_reservation policies apply to the interleaved schedule only (timed in the same rounds).
+        pols = policies if kind == "i" else [None]
+        variants = {("on", v, p): (ours(sched, True, v, p or "auto"), none) for v in sms_list for p in pols}
+        variants[("off", 0, None)] = (ours(sched, False), none)
+        variants[("no a2a", 0, None)] = (ours(sched, True, 0), _no_layer_a2a)
         variants["a2a"] = (_a2a_alone(plan, x0, device), none)
         timing = _timed_rounds(variants, device, args.warmup, args.iters)
         t_a2a[_label(sched)] = t_c = _median(timing.pop("a2a")[0])
-        t_none, t_off = timing[("no a2a", 0)][0], timing[("off", 0)][0]
-        for (overlap, comm_sms), (total, host) in timing.items():
+        t_none, t_off = timing[("no a2a", 0, None)][0], timing[("off", 0, None)][0]
+        for (overlap, comm_sms, policy), (total, host) in timing.items():
             t = _median(total)
             row = dict(provider="ours", chunks=_label(sched), comm_sms=comm_sms)
+            if policy is not None:
+                row["sm_reservation"] = policy
+                if policy != "all" and ("on", comm_sms, "all") in timing:  # paired: what the policy saves
+                    row["vs_all_ms"] = _paired(timing[("on", comm_sms, "all")][0], total) * 1e3
             row.update(overlap=overlap if overlap == "no a2a" else overlap == "on")
             row.update(ms=t * 1e3, host_ms=_median(host) * 1e3, tokens_per_s=P * T / t, a2a_alone_ms=t_c * 1e3)
             if overlap == "on":
@@ -604,6 +624,8 @@ def run(args) -> int:
     if rank == 0:
         print(f"bench layer: P={P} T={T} d={D} n={Fn} E={E} K={K} {args.dtype} on {device.type}")
         cols = ["provider", "chunks", "comm_sms", "overlap", "ms", "host_ms", "tokens_per_s", "a2a_alone_ms"]
+        cols[3:3] = ["sm_reservation"] if any("sm_reservation" in r for r in results) else []
+        cols += ["vs_all_ms"] if any("vs_all_ms" in r for r in results) else []
         cols += ["a2a_exposed_ms", "a2a_hidden", "overlap_gain"]
         print_table(results, cols + ["bitwise", "bitwise_vs_first", "rel_diff_out", "rel_diff_dx"])
         print(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
