@@ -34,6 +34,13 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     p.add_argument("--overlap-moe-expert-parallel-comm", action="store_true", help="Megatron's 1F1B EP A2A overlap")
     p.add_argument("--delay-wgrad-compute", action="store_true", help="defer expert wgrad to backward_dw()")
+    p.add_argument(
+        "--comm-sms",
+        type=int,
+        default=0,
+        help="SonicConfig.comm_sms: SMs the expert GEMMs leave free for an all-to-all running beside them (pipelined "
+        "mode, or with --overlap-moe-expert-parallel-comm); default 0",
+    )
     p.add_argument("--use-distributed-optimizer", action="store_true", help="shard optimizer states over DP")
     p.add_argument("--json", default=None, help="write losses and throughput as JSON (rank 0)")
     return p.parse_args(argv)
@@ -87,7 +94,7 @@ def train(args, device, ep: int) -> dict:
         overlap_moe_expert_parallel_comm=args.overlap_moe_expert_parallel_comm,
         delay_wgrad_compute=args.delay_wgrad_compute,
     )
-    sonic = SonicConfig.resolve(SonicConfig(backend="auto" if cuda else "torch"))
+    sonic = SonicConfig.resolve(SonicConfig(backend="auto" if cuda else "torch", comm_sms=args.comm_sms))
     torch.manual_seed(1234)
     model = GPTModel(
         config=config,

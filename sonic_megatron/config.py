@@ -54,7 +54,10 @@ class SonicConfig:
             GEMMs (``dispatcher='sonic'``; pipelined mode as above).
         comm_sms: SMs the expert GEMMs leave free while an all-to-all of the pipelined mode is in flight, so
             that NCCL's kernel can run beside QuACK's persistent GEMMs (``cute`` backend; 0 = all SMs to the
-            GEMMs). NCCL needs one SM per channel; pick by ``bench layer --comm-sms``.
+            GEMMs). NCCL needs one SM per channel; pick by ``bench layer --comm-sms``. Also used under Megatron's
+            1F1B EP overlap (``--overlap-moe-expert-parallel-comm``), where another micro-batch's all-to-all runs
+            beside the experts node: there the first GEMM of its forward and backward-data and its
+            weight-gradient GEMMs leave the SMs free (``token_dispatch.local_experts``).
     """
 
     backend: str = "auto"

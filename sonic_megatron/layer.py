@@ -177,5 +177,7 @@ class SonicMoELayer(MoELayer):
             activation=self.experts.activation,
             backend=self.sonic.backend,
             wgrad=self.experts.wgrad.ep_deferred,
+            # Under the 1F1B EP overlap another micro-batch's all-to-all runs beside this node's GEMMs.
+            comm_sms=self.sonic.comm_sms if self._freed_by_1f1b_schedule else 0,
         )
         return disp.combine_preprocess(y), None

@@ -68,7 +68,9 @@ def _worker(rank, world, out_dir):
     for ep in (1, 2):
         init_model_parallel(ep=ep)
         for name, over in (("plain", {}), ("shared", {"moe_shared_expert_intermediate_size": 40})):
-            case = Case(name, over, sonic=SonicConfig(backend="torch"))
+            # comm_sms: the experts node's GEMMs leave SMs to the other micro-batch's all-to-all (a no-op on CPU;
+            # here it checks the plumbing through local_experts and the deferred weight gradients).
+            case = Case(name, over, sonic=SonicConfig(backend="torch", comm_sms=8 if name == "shared" else 0))
             torch.manual_seed(1000)
             _, ref = build_pair(case, torch.device("cpu"))
             torch.manual_seed(1000)

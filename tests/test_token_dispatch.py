@@ -502,3 +502,22 @@ def test_deferred_wgrad_adds_into_main_grads_through_out():
     torch.testing.assert_close(w1.main_grad, 1 + g1 + g1, rtol=0, atol=0)
     torch.testing.assert_close(w2.main_grad, 1 + g2 + g2, rtol=0, atol=0)
     assert w1.grad_added_to_main_grad and w2.grad_added_to_main_grad
+
+
+def test_local_experts_comm_sms_same_results_and_checked():
+    """``local_experts(comm_sms=n)`` (Megatron's 1F1B overlap) computes the same output and gradients; a bad
+    value names the argument."""
+    case = global_case("random", 1, seed=11)
+    outs = []
+    for comm_sms in (0, 8):
+        off, T, x, logits, w1, w2 = _leaves(case, 0, 1, torch.float64)
+        plan = make_plan(build_routing(case, logits, off, T), num_experts=case["E"], x_TD=x)
+        xr, sr = dispatch(x, plan)
+        wgrad = DeferredWeightGrad()
+        y = local_experts(xr, sr, w1, w2, plan, backend="torch", wgrad=wgrad, comm_sms=comm_sms)
+        combine(y, plan).backward(case["grad"])
+        wgrad.compute()
+        outs.append([y.detach(), x.grad, logits.grad, w1.grad, w2.grad])
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+    with pytest.raises(ValueError, match="local_experts: comm_sms must be an int >= 0, got -1"):
+        local_experts(xr, sr, w1, w2, plan, backend="torch", comm_sms=-1)

@@ -39,13 +39,13 @@ from .layer import (
     _forward_steps,
     _free_sms,
     _Saved,
-    check_comm_sms,
     check_sm_reservation,
     record_function,
     run_steps,
 )
 from .plan import EPPlan, make_plan
 from .rounding import TokenRounding
+from .validation import check_comm_sms
 
 
 @dataclass

@@ -35,6 +35,7 @@ from .comm import Pending
 from .plan import EPPlan, make_plan
 from .rounding import TokenRounding
 from .stepwise import _in_weight_dtype, _weight_grads
+from .validation import check_comm_sms
 from .wgrad import DeferredWeightGrad
 
 
@@ -198,12 +199,6 @@ def _backward_steps(grad_TD, saved: _Saved, w1, w2, plan: EPPlan, ops, activatio
         shape, dtype = scores_like
         ds_R = X.scatter_pair_grads(plan, ds_send, torch.empty(shape, dtype=dtype, device=grad_TD.device))
     return dx_TD, ds_R, dw1, dw2
-
-
-def check_comm_sms(comm_sms, caller: str) -> None:
-    """``comm_sms`` (SMs the GEMMs leave free for collectives in flight) must be an int >= 0."""
-    if not isinstance(comm_sms, int) or comm_sms < 0:
-        raise ValueError(f"{caller}: comm_sms must be an int >= 0, got {comm_sms!r}")
 
 
 def run_steps(steps):

@@ -14,6 +14,7 @@ from ..kernels.routing import RoutingMetadata
 from . import exchange as X
 from .comm import Pending
 from .plan import EPPlan
+from .validation import check_comm_sms
 from .wgrad import DeferredWeightGrad
 
 
@@ -62,16 +63,16 @@ class _Dispatch(torch.autograd.Function):
 
 class _LocalExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_UD, s_Q, w1, w2, plan, ops, activation, wgrad):
+    def forward(ctx, x_UD, s_Q, w1, w2, plan, ops, activation, wgrad, comm_sms):
         store_h = any(ctx.needs_input_grad[:4])
         ys, hs = [], []
         for i in range(plan.num_stages):
-            o, h = ops.forward(
-                X.recv_rows(plan, x_UD, i), X.recv_pairs(plan, s_Q, i), w1, w2, plan.recv_meta[i], activation, store_h
-            )
+            x_i, s_i, meta = X.recv_rows(plan, x_UD, i), X.recv_pairs(plan, s_Q, i), plan.recv_meta[i]
+            with ops.reserve_sms(comm_sms, gemms=1):  # see local_experts
+                o, h = ops.forward(x_i, s_i, w1, w2, meta, activation, store_h)
             ys.append(o)
             hs.append(h)
-        ctx.plan, ctx.ops, ctx.activation, ctx.wgrad = plan, ops, activation, wgrad
+        ctx.plan, ctx.ops, ctx.activation, ctx.wgrad, ctx.comm_sms = plan, ops, activation, wgrad, comm_sms
         # Cached: the received (deduplicated) token rows, H per chunk, scores; never per-pair copies.
         ctx.save_for_backward(x_UD, s_Q, w1, w2, *hs)
         return _in_buffer_order(ys, plan.recv_row_range)
@@ -86,15 +87,17 @@ class _LocalExperts(torch.autograd.Function):
         dws = None
         for i in range(plan.num_stages):
             dO, x, meta = X.recv_rows(plan, dy_UD, i), X.recv_rows(plan, x_UD, i), plan.recv_meta[i]
-            dx, ds, (ap, dH) = ops.backward_data(dO, x, hs[i], X.recv_pairs(plan, s_Q, i), w1, w2, meta, ctx.activation)
+            with ops.reserve_sms(ctx.comm_sms, gemms=1):
+                s_i = X.recv_pairs(plan, s_Q, i)
+                dx, ds, (ap, dH) = ops.backward_data(dO, x, hs[i], s_i, w1, w2, meta, ctx.activation)
             dxs.append(dx)
             dss.append(ds)
             if want_w:
-                dws = _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, ctx.wgrad, dws, plan.num_stages)
+                dws = _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, ctx.wgrad, dws, plan.num_stages, ctx.comm_sms)
         dw1, dw2 = _in_weight_dtype(dws, w1, w2)
         dx_UD = _in_buffer_order(dxs, plan.recv_row_range)
         ds_Q = _in_buffer_order(dss, plan.recv_pair_range).to(s_Q.dtype)
-        return dx_UD, ds_Q, dw1, dw2, None, None, None, None
+        return dx_UD, ds_Q, dw1, dw2, None, None, None, None, None
 
 
 def _in_buffer_order(per_stage: list[torch.Tensor], stage_range) -> torch.Tensor:
@@ -109,13 +112,24 @@ def _in_buffer_order(per_stage: list[torch.Tensor], stage_range) -> torch.Tensor
     return out
 
 
-def _weight_grads(ops, dO, x, ap, dH, meta: RoutingMetadata, w1, w2, wgrad: DeferredWeightGrad | None, acc, stages):
+def _weight_grads(
+    ops, dO, x, ap, dH, meta: RoutingMetadata, w1, w2, wgrad: DeferredWeightGrad | None, acc, stages, comm_sms=0
+):
     """Run (or defer) one stage's dW GEMMs. With one stage: returns its (dW1, dW2). With more: adds them
     into fp32 accumulators (``acc``, created at the first stage: zeros) inside the GEMMs and returns those;
-    the caller rounds once at the end."""
+    the caller rounds once at the end. ``comm_sms``: SMs the GEMMs leave free, also when deferred (they then
+    run in Megatron's backward_dw, beside its all-to-alls)."""
     if wgrad is not None:
-        wgrad.record(lambda out=None: ops.backward_weights(dO, x, ap, dH, meta, out=out), w1, w2)
+
+        def deferred(out=None):
+            with ops.reserve_sms(comm_sms):
+                return ops.backward_weights(dO, x, ap, dH, meta, out=out)
+
+        wgrad.record(deferred, w1, w2)
         return None
+    if comm_sms:
+        with ops.reserve_sms(comm_sms):
+            return _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, None, acc, stages)
     if stages == 1:
         return ops.backward_weights(dO, x, ap, dH, meta)
     if acc is None:
@@ -163,6 +177,7 @@ def local_experts(
     activation: str = "swiglu",
     backend: str = "auto",
     wgrad: DeferredWeightGrad | None = None,
+    comm_sms: int = 0,
 ) -> torch.Tensor:
     """This rank's L experts on the received rows: y_recv [U, D], row u = sum over its local pairs of
     score * expert(x_recv[u]) (pre-reduced per received token, ready for ``combine``).
@@ -170,6 +185,10 @@ def local_experts(
     Args:
         activation, backend: as ``sonic_megatron.kernels.moe_experts``.
         wgrad: defer the weight-gradient GEMMs to ``wgrad.compute()`` (Megatron's backward_dw).
+        comm_sms: SMs left free for a collective that runs beside these GEMMs (Megatron's 1F1B EP overlap runs
+            another micro-batch's all-to-all beside this node): in the first GEMM of the forward and of the
+            backward-data call (the all-to-all is shorter than either; later GEMMs get every SM), and in the
+            weight-gradient GEMMs. 0 = every SM (persistent GEMMs then keep NCCL's kernel waiting). Same bits.
     """
     if tuple(x_recv.shape[:1]) != (plan.num_recv_rows,) or tuple(scores_recv.shape) != (plan.num_recv_pairs,):
         raise ValueError(
@@ -178,8 +197,9 @@ def local_experts(
         )
     if w1_EGD.shape[0] != plan.num_local_experts:
         raise ValueError(f"local_experts: w1.shape[0] must be {plan.num_local_experts}, got {w1_EGD.shape[0]}")
+    check_comm_sms(comm_sms, "local_experts")
     ops = resolve_backend(backend, x_recv.device)
-    return _LocalExperts.apply(x_recv, scores_recv, w1_EGD, w2_EDF, plan, ops, activation, wgrad)
+    return _LocalExperts.apply(x_recv, scores_recv, w1_EGD, w2_EDF, plan, ops, activation, wgrad, comm_sms)
 
 
 def combine(y_recv: torch.Tensor, plan: EPPlan) -> torch.Tensor:

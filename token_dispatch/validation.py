@@ -261,3 +261,9 @@ def index_stats(token_idx_R: torch.Tensor, expert_idx_R: torch.Tensor, num_token
         return [lo, hi, 0]
     t = token_idx_R.long()
     return [lo, hi, (t.min() < 0) | (t.max() >= num_tokens) | (t[1:] < t[:-1]).any()]
+
+
+def check_comm_sms(comm_sms, caller: str) -> None:
+    """``comm_sms`` (SMs the GEMMs leave free for collectives in flight) must be an int >= 0."""
+    if not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or comm_sms < 0:
+        raise ValueError(f"{caller}: comm_sms must be an int >= 0, got {comm_sms!r}")
