@@ -87,8 +87,8 @@ class _LocalExperts(torch.autograd.Function):
         dws = None
         for i in range(plan.num_stages):
             dO, x, meta = X.recv_rows(plan, dy_UD, i), X.recv_rows(plan, x_UD, i), plan.recv_meta[i]
+            s_i = X.recv_pairs(plan, s_Q, i)
             with ops.reserve_sms(ctx.comm_sms, gemms=1):
-                s_i = X.recv_pairs(plan, s_Q, i)
                 dx, ds, (ap, dH) = ops.backward_data(dO, x, hs[i], s_i, w1, w2, meta, ctx.activation)
             dxs.append(dx)
             dss.append(ds)
@@ -187,7 +187,7 @@ def local_experts(
         wgrad: defer the weight-gradient GEMMs to ``wgrad.compute()`` (Megatron's backward_dw).
         comm_sms: SMs left free for a collective that runs beside these GEMMs (Megatron's 1F1B EP overlap runs
             another micro-batch's all-to-all beside this node): in the first GEMM of the forward and of the
-            backward-data call (the all-to-all is shorter than either; later GEMMs get every SM), and in the
+            backward-data call (later GEMMs get every SM, as ``ep_forward_backward``'s "auto" policy), and in the
             weight-gradient GEMMs. 0 = every SM (persistent GEMMs then keep NCCL's kernel waiting). Same bits.
     """
     if tuple(x_recv.shape[:1]) != (plan.num_recv_rows,) or tuple(scores_recv.shape) != (plan.num_recv_pairs,):
