@@ -7,11 +7,11 @@ then ``bench dispatch`` (EP=4) and ``bench layer`` (EP=2, 4) at per-rank (T,d,n,
 Each step runs as its own torchrun with a time limit; a failing or timed-out step is reported in
 $OUT/gpu_ep_summary.json and the next step still runs. The whole pass stays under TOTAL_S (default 470 s).
 Env: OUT, TOTAL_S, CACHE (QuACK/Triton compile caches, as scripts/gpu_experts.sh), EP_BACKEND (default: cute
-if importable, else torch), EP_CHUNKS (bench layer schedules at EP 4, default 1,2,4,1s,2s; ``Ns`` = by source,
-``Ni`` = two micro-batches interleaved), EP_COMM_SMS (default 0,16,32), EP_BIG_TOKENS (a second, GPU-bound size
-at EP 4, default 65536; empty: skip), EP_BIG_CHUNKS (its schedules, default 1,2,1s), EP_AB_SEND=1 (also time EP 4
+if importable, else torch), EP_CHUNKS (bench layer schedules at EP 4, default 1,1i; ``Ns`` = by source,
+``Ni`` = two micro-batches interleaved), EP_COMM_SMS (default 0,32), EP_BIG_TOKENS (a second, GPU-bound size
+at EP 4, default 65536; empty: skip), EP_BIG_CHUNKS (its schedules, default 1,1i,4), EP_AB_SEND=1 (also time EP 4
 with SONIC_MEGATRON_EP_SEND=torch), EP_LAYER_EP2=0 (skip bench layer at EP 2), EP_CHUNKS_EP2 (its schedules,
-default 1,1s), EP_LAYER_EXTRA (more bench layer arguments, e.g. "--iters 40"),
+default 1,1i), EP_LAYER_EXTRA (more bench layer arguments, default "--iters 40 --sm-reservation auto,all"),
 EP_PROFILE=DIR (bench layer at EP 4, both sizes, also runs --profile under DIR; the tables, with the all-to-all
 time under compute kernels, are copied to $OUT, the traces stay in DIR).
 EP_CHECK_CPU=1 runs the check worker on CPU/gloo at tiny sizes (to test this script:
@@ -100,14 +100,14 @@ def drive() -> int:
         config = ["--tokens", "256", "--hidden", "64", "--ffn", "32", "--experts", "8", "--topk", "2"]
         config += ["--device", "cpu"]
         backend = "torch"
-    chunks = os.environ.get("EP_CHUNKS", "1,2,4,1s,2s")  # bench layer schedules (N, or Ns = by source)
-    comm_sms = os.environ.get("EP_COMM_SMS", "0,16,32")
+    chunks = os.environ.get("EP_CHUNKS", "1,1i")  # bench layer schedules (N, Ns = by source, Ni = interleaved)
+    comm_sms = os.environ.get("EP_COMM_SMS", "0,32")
     big = os.environ.get("EP_BIG_TOKENS", "65536")  # a GPU-bound size as well ("" = skip)
-    big_chunks = os.environ.get("EP_BIG_CHUNKS", "1,2,1s")
-    ep2_chunks = os.environ.get("EP_CHUNKS_EP2", "1,1s")
+    big_chunks = os.environ.get("EP_BIG_CHUNKS", "1,1i,4")
+    ep2_chunks = os.environ.get("EP_CHUNKS_EP2", "1,1i")
     ab_send = os.environ.get("EP_AB_SEND") == "1"  # also time EP 4 with the PyTorch send side (A/B)
     layer = [*bench, "layer", "--backend", backend, "--comm-sms", comm_sms]
-    layer += os.environ.get("EP_LAYER_EXTRA", "").split()  # e.g. "--iters 40"
+    layer += os.environ.get("EP_LAYER_EXTRA", "--iters 40 --sm-reservation auto,all").split()
     profile = os.environ.get("EP_PROFILE")
     layer_ep4 = [*layer, *config, "--chunks", chunks, "--json", f"{out}/layer_ep4.json"]
     tokens = config[config.index("--tokens") + 1]
