@@ -504,12 +504,34 @@ def test_deferred_wgrad_adds_into_main_grads_through_out():
     assert w1.grad_added_to_main_grad and w2.grad_added_to_main_grad
 
 
-def test_local_experts_comm_sms_same_results_and_checked():
-    """``local_experts(comm_sms=n)`` (Megatron's 1F1B overlap) computes the same output and gradients; a bad
-    value names the argument."""
+def test_local_experts_comm_sms_same_results_and_checked(monkeypatch):
+    """``local_experts(comm_sms=n)`` (Megatron's 1F1B overlap) runs the forward and backward-data calls under
+    ``reserve_sms(n, gemms=1)`` and the (deferred) weight gradients under ``reserve_sms(n)``, computes the same
+    output and gradients as without, and a bad value names the argument."""
+    import contextlib
+
+    from sonic_megatron.kernels import torch_backend
+
+    active, log = [(0, None)], []
+    orig_reserve = torch_backend.reserve_sms
+
+    @contextlib.contextmanager
+    def reserve(n, gemms=None):
+        with orig_reserve(n, gemms):
+            active.append((n, gemms))
+            yield
+            active.pop()
+
+    monkeypatch.setattr(torch_backend, "reserve_sms", reserve)
+    for name in ("forward", "backward_data", "backward_weights"):
+        orig = getattr(torch_backend, name)
+        monkeypatch.setattr(
+            torch_backend, name, lambda *a, _n=name, _f=orig, **k: (log.append((_n, active[-1])), _f(*a, **k))[1]
+        )
     case = global_case("random", 1, seed=11)
     outs = []
     for comm_sms in (0, 8):
+        log.clear()
         off, T, x, logits, w1, w2 = _leaves(case, 0, 1, torch.float64)
         plan = make_plan(build_routing(case, logits, off, T), num_experts=case["E"], x_TD=x)
         xr, sr = dispatch(x, plan)
@@ -518,6 +540,8 @@ def test_local_experts_comm_sms_same_results_and_checked():
         combine(y, plan).backward(case["grad"])
         wgrad.compute()
         outs.append([y.detach(), x.grad, logits.grad, w1.grad, w2.grad])
+        want = [("forward", (comm_sms, 1)), ("backward_data", (comm_sms, 1)), ("backward_weights", (comm_sms, None))]
+        assert log == want, log
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
     with pytest.raises(ValueError, match="local_experts: comm_sms must be an int >= 0, got -1"):
         local_experts(xr, sr, w1, w2, plan, backend="torch", comm_sms=-1)

@@ -156,3 +156,57 @@ def test_bad_state_or_gradient():
         ep_forward_backward(fwd, a["grad"][:, :3], x, routing, w1, w2, **kw)
     with pytest.raises(ValueError, match="output gradient of fwd"):
         ep_backward(fwd, a["grad"][1:])
+
+
+def _reservation_worker(rank, P, policy):
+    """The (SMs, GEMM count) reservation active around each backend call of an interleaved step."""
+    import contextlib
+
+    from sonic_megatron.kernels import torch_backend
+
+    active, log = [(0, None)], []
+    orig_reserve = torch_backend.reserve_sms
+
+    @contextlib.contextmanager
+    def reserve(n, gemms=None):
+        with orig_reserve(n, gemms):
+            active.append((n, gemms))
+            try:
+                yield
+            finally:
+                active.pop()
+
+    originals = {n: getattr(torch_backend, n) for n in ("forward", "backward_data", "backward_weights")}
+
+    def logged(name):
+        return lambda *a, **k: (log.append((name, active[-1])), originals[name](*a, **k))[1]
+
+    torch_backend.reserve_sms = reserve
+    for name in originals:
+        setattr(torch_backend, name, logged(name))
+    try:
+        a, b = _micro_batches("random", P)
+        kw = dict(group=dist.group.WORLD, num_experts=a["E"], backend="torch", comm_sms=8, sm_reservation=policy)
+        off, T, x, logits, w1, w2 = _leaves(a, rank, P, torch.float64)
+        _, fwd_a = ep_forward(x, build_routing(a, logits, off, T), w1, w2, **kw)
+        log.clear()
+        off_b, T_b, x_b, logits_b = _leaves(b, rank, P, torch.float64)[:4]
+        grad = a["grad"][off : off + T]
+        ep_forward_backward(fwd_a, grad, x_b, build_routing(b, logits_b, off_b, T_b), w1, w2, **kw)
+    finally:
+        torch_backend.reserve_sms = orig_reserve
+        for name, fn in originals.items():
+            setattr(torch_backend, name, fn)
+    return log
+
+
+@pytest.mark.parametrize("policy,data_gemms", [("auto", 1), ("all", None)])
+def test_interleaved_step_reserves_sms_per_policy(policy, data_gemms):
+    """In ep_forward_backward every backend call runs under comm_sms; "auto" limits the forward and backward-data
+    calls to their first GEMM, the weight-gradient call always reserves in all of its GEMMs."""
+    for log in run_distributed(_reservation_worker, 2, policy, timeout=120):
+        assert log == [
+            ("backward_data", (8, data_gemms)),
+            ("forward", (8, data_gemms)),
+            ("backward_weights", (8, None)),
+        ], log
