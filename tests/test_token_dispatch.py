@@ -9,6 +9,7 @@ an all-to-all or kernel that leaves rows unwritten fails the comparison.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import zlib
@@ -504,41 +505,53 @@ def test_deferred_wgrad_adds_into_main_grads_through_out():
     assert w1.grad_added_to_main_grad and w2.grad_added_to_main_grad
 
 
-def test_local_experts_comm_sms_same_results_and_checked(monkeypatch):
-    """``local_experts(comm_sms=n)`` (Megatron's 1F1B overlap) runs the forward and backward-data calls under
-    ``reserve_sms(n, gemms=1)`` and the (deferred) weight gradients under ``reserve_sms(n)``, computes the same
-    output and gradients as without, and a bad value names the argument."""
-    import contextlib
-
+@contextlib.contextmanager
+def recording_reservations():
+    """Patch the torch backend so that each forward / backward_data / backward_weights call logs (its name, the
+    (SMs, GEMM count) reservation active around it); yields the log and restores the backend afterwards."""
     from sonic_megatron.kernels import torch_backend
 
     active, log = [(0, None)], []
-    orig_reserve = torch_backend.reserve_sms
+    names = ("reserve_sms", "forward", "backward_data", "backward_weights")
+    originals = {n: getattr(torch_backend, n) for n in names}
 
     @contextlib.contextmanager
     def reserve(n, gemms=None):
-        with orig_reserve(n, gemms):
+        with originals["reserve_sms"](n, gemms):
             active.append((n, gemms))
-            yield
-            active.pop()
+            try:
+                yield
+            finally:
+                active.pop()
 
-    monkeypatch.setattr(torch_backend, "reserve_sms", reserve)
-    for name in ("forward", "backward_data", "backward_weights"):
-        orig = getattr(torch_backend, name)
-        monkeypatch.setattr(
-            torch_backend, name, lambda *a, _n=name, _f=orig, **k: (log.append((_n, active[-1])), _f(*a, **k))[1]
-        )
+    def logged(name):
+        return lambda *a, **k: (log.append((name, active[-1])), originals[name](*a, **k))[1]
+
+    torch_backend.reserve_sms = reserve
+    for name in names[1:]:
+        setattr(torch_backend, name, logged(name))
+    try:
+        yield log
+    finally:
+        for name, fn in originals.items():
+            setattr(torch_backend, name, fn)
+
+
+def test_local_experts_comm_sms_same_results_and_checked():
+    """``local_experts(comm_sms=n)`` (Megatron's 1F1B overlap) runs the forward and backward-data calls under
+    ``reserve_sms(n, gemms=1)`` and the (deferred) weight gradients under ``reserve_sms(n)``, computes the same
+    output and gradients as without, and a bad value names the argument."""
     case = global_case("random", 1, seed=11)
     outs = []
     for comm_sms in (0, 8):
-        log.clear()
         off, T, x, logits, w1, w2 = _leaves(case, 0, 1, torch.float64)
         plan = make_plan(build_routing(case, logits, off, T), num_experts=case["E"], x_TD=x)
         xr, sr = dispatch(x, plan)
         wgrad = DeferredWeightGrad()
-        y = local_experts(xr, sr, w1, w2, plan, backend="torch", wgrad=wgrad, comm_sms=comm_sms)
-        combine(y, plan).backward(case["grad"])
-        wgrad.compute()
+        with recording_reservations() as log:
+            y = local_experts(xr, sr, w1, w2, plan, backend="torch", wgrad=wgrad, comm_sms=comm_sms)
+            combine(y, plan).backward(case["grad"])
+            wgrad.compute()
         outs.append([y.detach(), x.grad, logits.grad, w1.grad, w2.grad])
         want = [("forward", (comm_sms, 1)), ("backward_data", (comm_sms, 1)), ("backward_weights", (comm_sms, None))]
         assert log == want, log

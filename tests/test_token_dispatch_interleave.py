@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from _dist import run_distributed
 from sonic_megatron.token_dispatch import ep_backward, ep_forward, ep_forward_backward, expert_parallel_experts
-from test_token_dispatch import D, _leaves, build_routing, global_case
+from test_token_dispatch import D, _leaves, build_routing, global_case, recording_reservations
 
 
 def _micro_batches(kind: str, P: int):
@@ -160,43 +160,13 @@ def test_bad_state_or_gradient():
 
 def _reservation_worker(rank, P, policy):
     """The (SMs, GEMM count) reservation active around each backend call of an interleaved step."""
-    import contextlib
-
-    from sonic_megatron.kernels import torch_backend
-
-    active, log = [(0, None)], []
-    orig_reserve = torch_backend.reserve_sms
-
-    @contextlib.contextmanager
-    def reserve(n, gemms=None):
-        with orig_reserve(n, gemms):
-            active.append((n, gemms))
-            try:
-                yield
-            finally:
-                active.pop()
-
-    originals = {n: getattr(torch_backend, n) for n in ("forward", "backward_data", "backward_weights")}
-
-    def logged(name):
-        return lambda *a, **k: (log.append((name, active[-1])), originals[name](*a, **k))[1]
-
-    torch_backend.reserve_sms = reserve
-    for name in originals:
-        setattr(torch_backend, name, logged(name))
-    try:
-        a, b = _micro_batches("random", P)
-        kw = dict(group=dist.group.WORLD, num_experts=a["E"], backend="torch", comm_sms=8, sm_reservation=policy)
-        off, T, x, logits, w1, w2 = _leaves(a, rank, P, torch.float64)
-        _, fwd_a = ep_forward(x, build_routing(a, logits, off, T), w1, w2, **kw)
-        log.clear()
-        off_b, T_b, x_b, logits_b = _leaves(b, rank, P, torch.float64)[:4]
-        grad = a["grad"][off : off + T]
-        ep_forward_backward(fwd_a, grad, x_b, build_routing(b, logits_b, off_b, T_b), w1, w2, **kw)
-    finally:
-        torch_backend.reserve_sms = orig_reserve
-        for name, fn in originals.items():
-            setattr(torch_backend, name, fn)
+    a, b = _micro_batches("random", P)
+    kw = dict(group=dist.group.WORLD, num_experts=a["E"], backend="torch", comm_sms=8, sm_reservation=policy)
+    off, T, x, logits, w1, w2 = _leaves(a, rank, P, torch.float64)
+    _, fwd_a = ep_forward(x, build_routing(a, logits, off, T), w1, w2, **kw)
+    off_b, T_b, x_b, logits_b = _leaves(b, rank, P, torch.float64)[:4]
+    with recording_reservations() as log:
+        ep_forward_backward(fwd_a, a["grad"][off : off + T], x_b, build_routing(b, logits_b, off_b, T_b), w1, w2, **kw)
     return log
 
 
