@@ -39,13 +39,12 @@ from .layer import (
     _forward_steps,
     _free_sms,
     _Saved,
-    check_sm_reservation,
     record_function,
     run_steps,
 )
 from .plan import EPPlan, make_plan
 from .rounding import TokenRounding
-from .validation import check_comm_sms
+from .validation import check_comm_sms, check_sm_reservation
 
 
 @dataclass
@@ -98,6 +97,27 @@ def _check_backward_args(fwd, grad_TD, name: str) -> None:
     if not isinstance(grad_TD, torch.Tensor) or tuple(grad_TD.shape) != want:
         got = tuple(grad_TD.shape) if isinstance(grad_TD, torch.Tensor) else type(grad_TD)
         raise ValueError(f"the output gradient of {name} must be a tensor of shape {want} (its output's), got {got}")
+
+
+# The keyword arguments of ep_forward and ep_forward_backward, as _forward_with reads them.
+_OPTION_NAMES = (
+    "group",
+    "num_experts",
+    "activation",
+    "backend",
+    "rounding",
+    "rounding_scores_TE",
+    "num_chunks",
+    "comm_sms",
+    "redispatch_x_in_backward",
+    "overlap",
+    "sm_reservation",
+)
+
+
+def _options(arguments: dict) -> dict:
+    """The options out of ``locals()`` taken first thing in ep_forward / ep_forward_backward."""
+    return {name: arguments[name] for name in _OPTION_NAMES}
 
 
 def _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, o: dict):
@@ -169,19 +189,7 @@ def ep_forward(
     (default): only the first GEMM of each forward / backward-data call, the rest get every SM (the other
     micro-batch's all-to-all beside them is shorter than the call); "all": every GEMM beside a collective.
     Results are bitwise the same either way."""
-    options = dict(
-        group=group,
-        num_experts=num_experts,
-        activation=activation,
-        backend=backend,
-        rounding=rounding,
-        rounding_scores_TE=rounding_scores_TE,
-        num_chunks=num_chunks,
-        comm_sms=comm_sms,
-        redispatch_x_in_backward=redispatch_x_in_backward,
-        overlap=overlap,
-        sm_reservation=sm_reservation,
-    )
+    options = _options(locals())
     out_TD, state, _ = _forward_with(None, None, x_TD, routing, w1_EGD, w2_EDF, options)
     return out_TD, state
 
@@ -218,19 +226,7 @@ def ep_forward_backward(
     Each one's all-to-alls are in flight while the other one's kernels run (module docstring); the GEMMs leave
     ``comm_sms`` SMs free for them. Results equal ``ep_backward(prev, ...)`` then ``ep_forward(...)``, bitwise.
     ``prev`` and this micro-batch must use the same group (the weights may differ, e.g. another layer's)."""
-    options = dict(
-        group=group,
-        num_experts=num_experts,
-        activation=activation,
-        backend=backend,
-        rounding=rounding,
-        rounding_scores_TE=rounding_scores_TE,
-        num_chunks=num_chunks,
-        comm_sms=comm_sms,
-        redispatch_x_in_backward=redispatch_x_in_backward,
-        overlap=overlap,
-        sm_reservation=sm_reservation,
-    )
+    options = _options(locals())
     _check_backward_args(prev, grad_prev_TD, "prev")
     return _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, options)
 

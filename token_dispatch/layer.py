@@ -68,9 +68,6 @@ def _comm_sms(plan: EPPlan, comm_sms: int, overlap: bool, multi_stage_only: bool
     return comm_sms
 
 
-SM_RESERVATIONS = ("auto", "all")
-
-
 @dataclass(frozen=True)
 class _SMBudget:
     """SMs the GEMMs leave free for collectives in flight: in a forward / backward-data call (``data``), in a
@@ -108,12 +105,6 @@ def _free_sms(plan: EPPlan, comm_sms: int, overlap: bool, concurrent: bool, rese
         weights=_comm_sms(plan, comm_sms, overlap, multi_stage_only=False),
         data_gemms=1 if concurrent and reservation == "auto" else None,
     )
-
-
-def check_sm_reservation(value, caller: str) -> None:
-    """``sm_reservation`` must be one of SM_RESERVATIONS."""
-    if value not in SM_RESERVATIONS:
-        raise ValueError(f"{caller}: sm_reservation must be one of {SM_RESERVATIONS}, got {value!r}")
 
 
 def _forward_steps(x_TD, w1, w2, plan: EPPlan, ops, activation, *, overlap, free_sms, store_h, redispatch):

@@ -267,3 +267,12 @@ def check_comm_sms(comm_sms, caller: str) -> None:
     """``comm_sms`` (SMs the GEMMs leave free for collectives in flight) must be an int >= 0."""
     if not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or comm_sms < 0:
         raise ValueError(f"{caller}: comm_sms must be an int >= 0, got {comm_sms!r}")
+
+
+SM_RESERVATIONS = ("auto", "all")  # ep_forward's sm_reservation policies (layer._free_sms)
+
+
+def check_sm_reservation(value, caller: str) -> None:
+    """``sm_reservation`` must be one of SM_RESERVATIONS."""
+    if value not in SM_RESERVATIONS:
+        raise ValueError(f"{caller}: sm_reservation must be one of {SM_RESERVATIONS}, got {value!r}")

@@ -491,7 +491,7 @@ def run(args) -> int:
 
     sched_list = [_schedule(c) for c in args.chunks.split(",") if c.strip()]
     sms_list = [int(v) for v in args.comm_sms.split(",") if v.strip()]
-    from ..token_dispatch.layer import SM_RESERVATIONS
+    from ..token_dispatch.validation import SM_RESERVATIONS
 
     policies = [v.strip() for v in args.sm_reservation.split(",") if v.strip()]
     if not policies or any(v not in SM_RESERVATIONS for v in policies):
