@@ -7,6 +7,8 @@ all-to-all at once (no pipelining: that is ``expert_parallel_experts``' job). We
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..kernels.interface import resolve_backend
@@ -127,15 +129,14 @@ def _weight_grads(
 
         wgrad.record(deferred, w1, w2)
         return None
-    if comm_sms:
-        with ops.reserve_sms(comm_sms):
-            return _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, None, acc, stages)
-    if stages == 1:
-        return ops.backward_weights(dO, x, ap, dH, meta)
-    if acc is None:
-        ct = torch.promote_types(w1.dtype, torch.float32)
-        acc = (torch.zeros(w1.shape, dtype=ct, device=w1.device), torch.zeros(w2.shape, dtype=ct, device=w2.device))
-    return ops.backward_weights(dO, x, ap, dH, meta, out=acc)
+    # comm_sms 0 opens no reservation, so one the caller holds (layer.py's) stays in force.
+    with ops.reserve_sms(comm_sms) if comm_sms else contextlib.nullcontext():
+        if stages == 1:
+            return ops.backward_weights(dO, x, ap, dH, meta)
+        if acc is None:
+            ct = torch.promote_types(w1.dtype, torch.float32)
+            acc = (torch.zeros(w1.shape, dtype=ct, device=w1.device), torch.zeros(w2.shape, dtype=ct, device=w2.device))
+        return ops.backward_weights(dO, x, ap, dH, meta, out=acc)
 
 
 def _in_weight_dtype(dws, w1, w2):
