@@ -37,6 +37,8 @@ import torch.distributed as dist
 from sonic_megatron.kernels import TopKRouting
 from sonic_megatron.kernels.interface import resolve_backend
 
+from sonic_megatron.bench.layer import _no_layer_a2a  # the same "no a2a" reference as bench layer's
+
 REC: list | None = None  # (name, host enter, host exit, event enter, event exit) while recording
 CUDA = torch.cuda.is_available()
 DTYPE = torch.bfloat16 if CUDA else torch.float32
@@ -98,16 +100,6 @@ def instrument(ops) -> None:
         _wrap(ops, attr, f"ops.{attr}")
     _wrap(layer_mod._EPExperts, "forward", "EPExperts.forward")
     _wrap(layer_mod._EPExperts, "backward", "EPExperts.backward")
-
-
-@contextlib.contextmanager
-def no_row_a2a():
-    saved = ex_mod.all_to_all
-    ex_mod.all_to_all = lambda *a, **k: None
-    try:
-        yield
-    finally:
-        ex_mod.all_to_all = saved
 
 
 def one_step(fn) -> list[tuple]:
@@ -236,7 +228,7 @@ def main() -> int:
     for sched in args.schedules.split(","):
         c, make = (int(sched[:-1]), interleaved_fn) if sched.endswith("i") else (int(sched), step_fn)
         variants.append((f"schedule {sched} overlap on", make(c), contextlib.nullcontext))
-        variants.append((f"schedule {sched} no a2a", make(c), no_row_a2a))
+        variants.append((f"schedule {sched} no a2a", make(c), _no_layer_a2a))
     report: dict = {
         "tag": args.tag,
         "P": P,
