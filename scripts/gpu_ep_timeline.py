@@ -84,7 +84,8 @@ def _wrap(owner, attr: str, name: str) -> None:
 
 def instrument(ops) -> None:
     _wrap(layer_mod, "make_plan", "plan")
-    _wrap(inter_mod, "make_plan", "plan")
+    _wrap(inter_mod, "start_plan", "plan.start")
+    _wrap(inter_mod, "finish_plan", "plan.finish")
     _wrap(plan_mod, "_build_send_side", "plan.send_side")
     _wrap(plan_mod, "all_gather", "plan.counts_all_gather")
     _wrap(val_mod, "check_headers", "plan.after_sync(check_headers)")

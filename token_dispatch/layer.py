@@ -107,15 +107,24 @@ def _free_sms(plan: EPPlan, comm_sms: int, overlap: bool, concurrent: bool, rese
     )
 
 
-def _forward_steps(x_TD, w1, w2, plan: EPPlan, ops, activation, *, overlap, free_sms, store_h, redispatch):
+def _forward_steps(
+    x_TD, w1, w2, plan: EPPlan, ops, activation, *, overlap, free_sms, store_h, redispatch, launch_stream=None
+):
     """The forward as a generator of steps: it yields right after launching collectives that its next work
     waits for (so that the kernels of another micro-batch can run meanwhile: ``interleave.py``; run alone,
-    the yields are no-ops) and returns (out_TD, _Saved)."""
+    the yields are no-ops) and returns (out_TD, _Saved). ``launch_stream``: a CUDA side stream that gathers
+    and launches the dispatch rows, so that they need not wait for what the current stream has queued
+    (another micro-batch's GEMMs); the current stream waits for it afterwards."""
     S, D, eager = plan.num_stages, x_TD.shape[1], not overlap
     x_recv = x_TD.new_empty(plan.num_recv_rows, D)
     metas = plan.recv_meta if eager else None  # no overlap: the pair all-to-alls complete before the rows
     with record_function("ep.fwd.dispatch_launch"):
-        pend_x = _launch_rows(plan, x_TD, x_recv, eager)
+        if launch_stream is None:
+            pend_x = _launch_rows(plan, x_TD, x_recv, eager)
+        else:
+            with torch.cuda.stream(launch_stream):
+                pend_x = _launch_rows(plan, x_TD, x_recv, eager)
+            torch.cuda.current_stream().wait_stream(launch_stream)  # its gather's buffers: reuse is ordered
     # Receive metadata and scores (they came with the plan's pair all-to-alls, launched before the rows):
     # built while the row all-to-alls are in flight.
     with record_function("ep.fwd.recv_metadata"):
@@ -144,7 +153,8 @@ def _forward_steps(x_TD, w1, w2, plan: EPPlan, ops, activation, *, overlap, free
 
 def _backward_steps(grad_TD, saved: _Saved, w1, w2, plan: EPPlan, ops, activation, wgrad, want, scores_like):
     """The backward as a generator of steps (yields as ``_forward_steps``: after launching the dO all-to-alls,
-    and before the last stage's weight-gradient GEMMs); returns (dx_TD, dscores_R, dw1, dw2).
+    after queuing the first stage's backward-data GEMMs, and before the last stage's weight-gradient GEMMs);
+    returns (dx_TD, dscores_R, dw1, dw2).
     ``want``: which of (dx, dscores, weights) are needed; ``scores_like``: (shape, dtype) of plan.scores_R."""
     S, D, eager = plan.num_stages, grad_TD.shape[1], saved.eager
     free = saved.free_sms
@@ -173,6 +183,8 @@ def _backward_steps(grad_TD, saved: _Saved, w1, w2, plan: EPPlan, ops, activatio
                 dO, x, saved.hs[i], X.recv_pairs(plan, saved.s_recv, i), w1, w2, meta, activation
             )
             ds = ds.to(ct)
+        if i == 0:
+            yield  # the first stage's backward-data GEMMs are queued (another micro-batch may launch rows now)
         X.rows_to_sources(plan, dx, dx_send, i, pend_back)
         X.pairs_to_sources(plan, ds, ds_send, i, pend_back)
         keep.append((dx, ds))
