@@ -35,6 +35,7 @@ The results equal ``expert_parallel_experts`` + ``backward`` bitwise (tests/test
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -128,10 +129,17 @@ def _options(arguments: dict) -> dict:
     return {name: arguments[name] for name in _OPTION_NAMES}
 
 
+@functools.cache
+def _cuda_side_stream(index: int):
+    # One per device for the process, so that its work stays in one queue of the caching allocator.
+    return torch.cuda.Stream(device=torch.device("cuda", index))
+
+
 def _side_stream(device: torch.device):
-    """A side stream of ``device`` for the next micro-batch's plan sync and dispatch launch (from PyTorch's
-    stream pool, so asking per step is cheap); None on CPUs."""
-    return torch.cuda.Stream(device=device) if device.type == "cuda" else None
+    """The side stream of ``device`` for the next micro-batch's plan sync and dispatch launch; None on CPUs."""
+    if device.type != "cuda":
+        return None
+    return _cuda_side_stream(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, o: dict):

@@ -47,16 +47,21 @@ def record_function(name: str):
     return contextlib.nullcontext()
 
 
-def _launch_rows(plan: EPPlan, x_TD: torch.Tensor, recv_UD: torch.Tensor, eager: bool) -> list:
+def _launch_rows(plan: EPPlan, x_TD: torch.Tensor, recv_UD: torch.Tensor, eager: bool, stream=None) -> list:
     """Launch every stage's row all-to-all, stage by stage: NCCL runs one group's collectives in launch order,
     so stage i waits only for stages <= i. Each stage's send rows are gathered just before its launch, so
-    stage 0 leaves early."""
+    stage 0 leaves early. ``stream``: a CUDA side stream that gathers and launches (so that neither waits for
+    what the current stream has queued); the current stream waits for it afterwards. The send buffer comes
+    from the current stream's memory either way."""
     send_SD = x_TD.new_empty(plan.num_send_rows, x_TD.shape[1])
     pend = [Pending(eager) for _ in range(plan.num_stages)]
-    for i in range(plan.num_stages):
-        s0, s1 = plan.send_row_range(i)
-        torch.index_select(x_TD, 0, plan.send_token_idx_S[s0:s1], out=send_SD[s0:s1])
-        X.rows_to_experts(plan, send_SD, X.recv_rows(plan, recv_UD, i), i, pend[i])
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for i in range(plan.num_stages):
+            s0, s1 = plan.send_row_range(i)
+            torch.index_select(x_TD, 0, plan.send_token_idx_S[s0:s1], out=send_SD[s0:s1])
+            X.rows_to_experts(plan, send_SD, X.recv_rows(plan, recv_UD, i), i, pend[i])
+    if stream is not None:
+        torch.cuda.current_stream().wait_stream(stream)
     return pend
 
 
@@ -113,18 +118,13 @@ def _forward_steps(
     """The forward as a generator of steps: it yields right after launching collectives that its next work
     waits for (so that the kernels of another micro-batch can run meanwhile: ``interleave.py``; run alone,
     the yields are no-ops) and returns (out_TD, _Saved). ``launch_stream``: a CUDA side stream that gathers
-    and launches the dispatch rows, so that they need not wait for what the current stream has queued
-    (another micro-batch's GEMMs); the current stream waits for it afterwards."""
+    and launches the dispatch rows (``_launch_rows``), so that they need not wait for what the current stream
+    has queued (another micro-batch's GEMMs)."""
     S, D, eager = plan.num_stages, x_TD.shape[1], not overlap
     x_recv = x_TD.new_empty(plan.num_recv_rows, D)
     metas = plan.recv_meta if eager else None  # no overlap: the pair all-to-alls complete before the rows
     with record_function("ep.fwd.dispatch_launch"):
-        if launch_stream is None:
-            pend_x = _launch_rows(plan, x_TD, x_recv, eager)
-        else:
-            with torch.cuda.stream(launch_stream):
-                pend_x = _launch_rows(plan, x_TD, x_recv, eager)
-            torch.cuda.current_stream().wait_stream(launch_stream)  # its gather's buffers: reuse is ordered
+        pend_x = _launch_rows(plan, x_TD, x_recv, eager, launch_stream)
     # Receive metadata and scores (they came with the plan's pair all-to-alls, launched before the rows):
     # built while the row all-to-alls are in flight.
     with record_function("ep.fwd.recv_metadata"):
