@@ -35,7 +35,6 @@ The results equal ``expert_parallel_experts`` + ``backward`` bitwise (tests/test
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +51,7 @@ from .layer import (
 )
 from .plan import EPPlan, finish_plan, start_plan
 from .rounding import TokenRounding
+from .streams import side_stream
 from .validation import check_comm_sms, check_plan_stream, check_sm_reservation
 
 
@@ -129,19 +129,6 @@ def _options(arguments: dict) -> dict:
     return {name: arguments[name] for name in _OPTION_NAMES}
 
 
-@functools.cache
-def _cuda_side_stream(index: int):
-    # One per device for the process, so that its work stays in one queue of the caching allocator.
-    return torch.cuda.Stream(device=torch.device("cuda", index))
-
-
-def _side_stream(device: torch.device):
-    """The side stream of ``device`` for the next micro-batch's plan sync and dispatch launch; None on CPUs."""
-    if device.type != "cuda":
-        return None
-    return _cuda_side_stream(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, o: dict):
     """This micro-batch's forward, with ``prev``'s backward interleaved when ``prev`` is given:
     (out_TD, EPForward, prev's EPGrads or None). ``o``: the keyword arguments of ``ep_forward``."""
@@ -172,7 +159,7 @@ def _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, o: dict):
     # "side": prev's backward-data GEMMs are queued before this host waits for the plan's counts, and the
     # plan's sync and row launches go through a side stream (CUDA), so neither waits behind those GEMMs.
     early = bwd is not None and o["overlap"] and o["plan_stream"] == "side"
-    side = _side_stream(x_TD.device) if early else None
+    side = side_stream(x_TD.device) if early else None
     if early:
         with torch.no_grad():
             next(bwd)  # prev's backward-data GEMMs are queued: the GPU runs them while this host waits below

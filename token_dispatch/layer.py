@@ -35,6 +35,7 @@ from .comm import Pending
 from .plan import EPPlan, make_plan
 from .rounding import TokenRounding
 from .stepwise import _in_weight_dtype, _weight_grads
+from .streams import new_for_stream, on
 from .validation import check_comm_sms
 from .wgrad import DeferredWeightGrad
 
@@ -51,11 +52,11 @@ def _launch_rows(plan: EPPlan, x_TD: torch.Tensor, recv_UD: torch.Tensor, eager:
     """Launch every stage's row all-to-all, stage by stage: NCCL runs one group's collectives in launch order,
     so stage i waits only for stages <= i. Each stage's send rows are gathered just before its launch, so
     stage 0 leaves early. ``stream``: a CUDA side stream that gathers and launches (so that neither waits for
-    what the current stream has queued); the current stream waits for it afterwards. The send buffer comes
-    from the current stream's memory either way."""
-    send_SD = x_TD.new_empty(plan.num_send_rows, x_TD.shape[1])
+    what the current stream has queued); the current stream waits for it afterwards. ``recv_UD`` must then
+    come from ``streams.new_for_stream``, as the send buffer does."""
+    send_SD = new_for_stream(x_TD, (plan.num_send_rows, x_TD.shape[1]), stream)
     pend = [Pending(eager) for _ in range(plan.num_stages)]
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+    with on(stream):
         for i in range(plan.num_stages):
             s0, s1 = plan.send_row_range(i)
             torch.index_select(x_TD, 0, plan.send_token_idx_S[s0:s1], out=send_SD[s0:s1])
@@ -121,7 +122,7 @@ def _forward_steps(
     and launches the dispatch rows (``_launch_rows``), so that they need not wait for what the current stream
     has queued (another micro-batch's GEMMs)."""
     S, D, eager = plan.num_stages, x_TD.shape[1], not overlap
-    x_recv = x_TD.new_empty(plan.num_recv_rows, D)
+    x_recv = new_for_stream(x_TD, (plan.num_recv_rows, D), launch_stream)
     metas = plan.recv_meta if eager else None  # no overlap: the pair all-to-alls complete before the rows
     with record_function("ep.fwd.dispatch_launch"):
         pend_x = _launch_rows(plan, x_TD, x_recv, eager, launch_stream)

@@ -33,7 +33,6 @@ Order of ``make_plan`` -- the host sync drains the GPU queue, so as little as po
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass, field
 
@@ -43,6 +42,7 @@ from ..kernels.routing import FlatRouting, RoutingMetadata, TopKRouting, compute
 from . import validation as V
 from .comm import Pending, all_gather, all_to_all, group_fingerprint, group_rank, group_size
 from .rounding import RoundingResult, TokenRounding, round_routing
+from .streams import new_for_stream, on
 
 
 @dataclass
@@ -468,10 +468,6 @@ def _counts_slot(side: _SendSide | None, N: int, P: int, device) -> list[torch.T
     return [side.rows_NP, pad, side.pairs_NP, pad]
 
 
-def _stream_context(stream):
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
 def _to_host(t: torch.Tensor, stream) -> list:
     """``t.tolist()``; on a side stream through pinned memory and an event, because a copy into pageable
     memory was measured to return only after the GEMMs queued on the current stream had finished."""
@@ -496,7 +492,7 @@ def finish_plan(start: PlanStart, stream=None) -> EPPlan:
     group, P, rank, N, T = start.group, start.world_size, start.rank, start.num_chunks, start.num_tokens
     if start.rounding is not None or start.ready is None:
         stream = None
-    with _stream_context(stream):
+    with on(stream):
         if stream is not None:
             stream.wait_event(start.ready)
         if start.work is not None:
@@ -556,9 +552,9 @@ def finish_plan(start: PlanStart, stream=None) -> EPPlan:
     )
     # Pair metadata (and scores): one all-to-all per chunk, launched now and NOT waited for: the receive
     # metadata is built on first use of ``plan.recv_meta`` (after the caller launched its row all-to-alls).
-    meta_QC = side.pair_meta_RC.new_empty(plan.num_recv_pairs, side.pair_meta_RC.shape[1])
+    meta_QC = new_for_stream(side.pair_meta_RC, (plan.num_recv_pairs, side.pair_meta_RC.shape[1]), stream)
     pending = Pending()
-    with _stream_context(stream):
+    with on(stream):
         for c in range(N):
             s0, s1 = plan.chunk_range("send_pairs", c)
             r0, r1 = plan.chunk_range("recv_pairs", c)

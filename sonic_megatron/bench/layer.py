@@ -38,7 +38,8 @@ time during which a compute kernel runs on the GPU, from the trace), which count
 For ``Ni`` schedules every ``--sm-reservation`` policy and every ``--plan-stream`` is timed with overlap on in the
 same rounds; ``vs_all_ms`` = median over rounds of t(all) - t(this policy), ``vs_current_ms`` = median over rounds of
 t(plan_stream current) - t(this row), the other settings the same (positive: this row is faster).
-``bitwise`` says whether the output and all gradients with overlap equal those without, bit for bit;
+``bitwise`` says whether the output and all gradients with overlap (the largest ``--comm-sms``, the first
+``--sm-reservation``, every ``--plan-stream``) equal those without, bit for bit;
 ``bitwise_vs_first`` whether they equal those of the first ``--chunks`` schedule (expected for ``Ni`` after ``N``).
 ``--count-ops`` replaces the timing by a count of ours' host work (``token_dispatch/launch_count.py``), per
 chunk count: would-be kernel launches, collectives and host syncs of ``make_plan`` alone, of the forward
@@ -552,7 +553,9 @@ def run(args) -> int:
     for sched in sched_list:
         chunks, kind = sched
         ref = grads_of(ours(sched, False))
-        same = all(torch.equal(a, b) for a, b in zip(ref, grads_of(ours(sched, True, max(sms_list))), strict=True))
+        # Overlap on (the largest comm_sms, each plan stream of an interleaved schedule) == overlap off, bitwise.
+        checked = [ours(sched, True, max(sms_list), policies[0], st) for st in (streams if kind == "i" else ["side"])]
+        same = all(torch.equal(a, b) for fn in checked for a, b in zip(ref, grads_of(fn), strict=True))
         # Sanity of the stage metadata: output and dX against the first schedule (max relative diff).
         first = first if sched != sched_list[0] else ref
         rel = [
