@@ -178,6 +178,7 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--tag", default=os.environ.get("TIMELINE_TAG", "default"))
+    p.add_argument("--plan-stream", default="side", help="ep_forward_backward's plan_stream for Ni schedules")
     args = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", 0))
     if CUDA:
@@ -216,6 +217,7 @@ def main() -> int:
     def interleaved_fn(chunks: int):
         """The forward of a micro-batch with the backward of the previous one (``ep_forward_backward``)."""
         kw = dict(group=dist.group.WORLD, num_experts=E, num_chunks=chunks, comm_sms=args.comm_sms)
+        kw["plan_stream"] = args.plan_stream
         state = []
 
         def fn():
