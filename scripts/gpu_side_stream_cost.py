@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Host cost of the calls that plan_stream "side" adds to an interleaved step (one GPU, no collectives), each
 timed in a loop with a GEMM queued on the current stream (as in the step): event create + record, stream
-wait_event / wait_stream, entering a stream context, a pinned 1 KiB device-to-host copy + event sync, an
+wait_event / wait_stream, entering a stream context, a pinned 2 KiB device-to-host copy + stream sync, an
 allocation from the side stream's memory + record_stream, and a plain allocation for comparison.
 
     python3 scripts/gpu_side_stream_cost.py       # prints microseconds per call
@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 import torch
-from sonic_megatron.token_dispatch.streams import new_for_stream, side_stream
+from sonic_megatron.token_dispatch.streams import record_for, side_stream
 
 
 def per_call_us(fn, n: int = 2000) -> float:
@@ -47,9 +47,7 @@ def main() -> None:
         with torch.cuda.stream(side):
             host = torch.empty(small.shape, dtype=small.dtype, pin_memory=True)
             host.copy_(small, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(side)
-            done.synchronize()
+            side.synchronize()
             host.tolist()
 
     rows = {
@@ -57,9 +55,9 @@ def main() -> None:
         "side.wait_event": lambda: side.wait_event(ev),
         "current.wait_stream(side)": lambda: torch.cuda.current_stream().wait_stream(side),
         "enter + leave torch.cuda.stream(side)": lambda: _ctx(side),
-        "pinned D2H 2 KiB + event sync (side)": d2h,
+        "pinned D2H 2 KiB + side.synchronize()": d2h,
         "pageable tolist 2 KiB (current, idle)": None,
-        "new_for_stream 64 MiB (side) + free": lambda: new_for_stream(like, (32768, 1024), side),
+        "64 MiB from the side stream + record_for + free": lambda: _side_buffer(like, side),
         "new_empty 64 MiB (current) + free": lambda: like.new_empty(32768, 1024),
     }
     for name, fn in rows.items():
@@ -71,6 +69,12 @@ def main() -> None:
             print(f"{name:45s} {(time.perf_counter() - t0) / 200 * 1e6:8.1f} us", flush=True)
             continue
         print(f"{name:45s} {per_call_us(fn):8.1f} us", flush=True)
+
+
+def _side_buffer(like, stream) -> None:
+    current = torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        record_for(like.new_empty(32768, 1024), current)
 
 
 def _ctx(stream) -> None:

@@ -42,7 +42,7 @@ from ..kernels.routing import FlatRouting, RoutingMetadata, TopKRouting, compute
 from . import validation as V
 from .comm import Pending, all_gather, all_to_all, group_fingerprint, group_rank, group_size
 from .rounding import RoundingResult, TokenRounding, round_routing
-from .streams import new_for_stream, on
+from .streams import on, record_for
 
 
 @dataclass
@@ -469,15 +469,14 @@ def _counts_slot(side: _SendSide | None, N: int, P: int, device) -> list[torch.T
 
 
 def _to_host(t: torch.Tensor, stream) -> list:
-    """``t.tolist()``; on a side stream through pinned memory and an event, because a copy into pageable
-    memory was measured to return only after the GEMMs queued on the current stream had finished."""
+    """``t.tolist()``; on a side stream through pinned memory and a sync of that stream only, because a copy
+    into pageable memory was measured to return only after the GEMMs queued on the current stream had
+    finished."""
     if stream is None:
         return t.tolist()
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record(stream)
-    done.synchronize()
+    stream.synchronize()
     return host.tolist()
 
 
@@ -488,16 +487,26 @@ def finish_plan(start: PlanStart, stream=None) -> EPPlan:
     ``stream`` (CUDA, no rounding): a side stream for the host copy of the counts and the pair all-to-alls,
     so that the host waits only for the all-gather and for the device work of ``start_plan``, not for what
     the current stream queued since (``interleave.py`` queues the previous micro-batch's backward GEMMs
-    there). With rounding the whole finish runs on the current stream (rounding's own syncs)."""
-    group, P, rank, N, T = start.group, start.world_size, start.rank, start.num_chunks, start.num_tokens
+    there); the current stream waits for the side stream at the end. With rounding the whole finish runs on
+    the current stream (rounding's own syncs)."""
     if start.rounding is not None or start.ready is None:
         stream = None
+    current = torch.cuda.current_stream() if stream is not None else None
     with on(stream):
         if stream is not None:
             stream.wait_event(start.ready)
-        if start.work is not None:
-            start.work.wait()
-        gathered = _to_host(start.gathered_dev, stream)  # the host sync: header + split sizes
+        plan = _finish(start, stream, current)
+    if stream is not None:  # what the current stream queues from now on sees the all-gather (counts_dev)
+        current.wait_stream(stream)
+    return plan
+
+
+def _finish(start: PlanStart, stream, current) -> EPPlan:
+    """``finish_plan`` on the stream that is current (``stream``, or the caller's when it is None)."""
+    group, P, rank, N, T = start.group, start.world_size, start.rank, start.num_chunks, start.num_tokens
+    if start.work is not None:
+        start.work.wait()
+    gathered = _to_host(start.gathered_dev, stream)  # the host sync: header + split sizes
     V.check_headers([g[: V.HEADER_LEN] for g in gathered], start.error, group, start.num_experts)
     counts_P = [g[V.HEADER_LEN :] for g in gathered]
     counts_dev = start.gathered_dev[:, V.HEADER_LEN :]  # the same counts on the device (receive metadata)
@@ -552,16 +561,14 @@ def finish_plan(start: PlanStart, stream=None) -> EPPlan:
     )
     # Pair metadata (and scores): one all-to-all per chunk, launched now and NOT waited for: the receive
     # metadata is built on first use of ``plan.recv_meta`` (after the caller launched its row all-to-alls).
-    meta_QC = new_for_stream(side.pair_meta_RC, (plan.num_recv_pairs, side.pair_meta_RC.shape[1]), stream)
+    meta_QC = side.pair_meta_RC.new_empty(plan.num_recv_pairs, side.pair_meta_RC.shape[1])
+    record_for(meta_QC, current)  # from the side stream's memory, read later by the current stream
     pending = Pending()
-    with on(stream):
-        for c in range(N):
-            s0, s1 = plan.chunk_range("send_pairs", c)
-            r0, r1 = plan.chunk_range("recv_pairs", c)
-            recv, send = meta_QC[r0:r1], side.pair_meta_RC[s0:s1]
-            pending.add(all_to_all(recv, send, recv_pairs[c], send_pairs[c], group, async_op=True))
-    if stream is not None:  # what the current stream queues from now on sees the all-gather (counts_dev)
-        torch.cuda.current_stream().wait_stream(stream)
+    for c in range(N):
+        s0, s1 = plan.chunk_range("send_pairs", c)
+        r0, r1 = plan.chunk_range("recv_pairs", c)
+        recv, send = meta_QC[r0:r1], side.pair_meta_RC[s0:s1]
+        pending.add(all_to_all(recv, send, recv_pairs[c], send_pairs[c], group, async_op=True))
     plan._incoming = (pending, meta_QC, counts_dev)
     return plan
 

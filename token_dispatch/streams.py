@@ -6,8 +6,8 @@ the previous micro-batch's GEMMs queued on the current stream. The caching alloc
 freed block only within the stream it belongs to: a block freed on the current stream can be handed out
 again while kernels queued earlier on that stream still use it. A buffer that the side stream -- or a
 collective launched from it, which waits only for the side stream -- writes must therefore come from the
-side stream's own memory (``new_for_stream``), and be recorded for the current stream that reads it later
-(so that it is not reused before that stream is done with it).
+side stream's own memory (allocated while the side stream is current), and be recorded for the current
+stream that reads it later (``record_for``: so that it is not reused before that stream is done with it).
 """
 
 from __future__ import annotations
@@ -36,13 +36,8 @@ def on(stream):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-def new_for_stream(like: torch.Tensor, shape, stream) -> torch.Tensor:
-    """``like.new_empty(shape)`` for a buffer that ``stream`` writes (module docstring): from ``stream``'s memory,
-    recorded for the current stream. ``stream`` None: a plain ``new_empty``."""
-    if stream is None:
-        return like.new_empty(shape)
-    current = torch.cuda.current_stream()
-    with torch.cuda.stream(stream):
-        out = like.new_empty(shape)
-    out.record_stream(current)
-    return out
+def record_for(t: torch.Tensor, current) -> None:
+    """Mark ``t`` -- allocated while the side stream was current, i.e. from its memory -- as used by ``current``
+    too, so that its block is not handed out again before ``current`` is done with it; nothing for None."""
+    if current is not None:
+        t.record_stream(current)
