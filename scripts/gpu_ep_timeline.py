@@ -84,8 +84,7 @@ def _wrap(owner, attr: str, name: str) -> None:
 
 def instrument(ops) -> None:
     _wrap(layer_mod, "make_plan", "plan")
-    _wrap(inter_mod, "start_plan", "plan.start")
-    _wrap(inter_mod, "finish_plan", "plan.finish")
+    _wrap(inter_mod, "make_plan", "plan")
     _wrap(plan_mod, "_build_send_side", "plan.send_side")
     _wrap(plan_mod, "all_gather", "plan.counts_all_gather")
     _wrap(val_mod, "check_headers", "plan.after_sync(check_headers)")
@@ -178,7 +177,6 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--tag", default=os.environ.get("TIMELINE_TAG", "default"))
-    p.add_argument("--plan-stream", default="side", help="ep_forward_backward's plan_stream for Ni schedules")
     args = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", 0))
     if CUDA:
@@ -217,7 +215,6 @@ def main() -> int:
     def interleaved_fn(chunks: int):
         """The forward of a micro-batch with the backward of the previous one (``ep_forward_backward``)."""
         kw = dict(group=dist.group.WORLD, num_experts=E, num_chunks=chunks, comm_sms=args.comm_sms)
-        kw["plan_stream"] = args.plan_stream
         state = []
 
         def fn():

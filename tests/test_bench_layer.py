@@ -74,7 +74,6 @@ def _bench_layer_worker(
     world_size,
     path,
     extra=("--chunks", "1,2,1i", "--comm-sms", "0,8", "--sm-reservation", "auto,all", "--no-baseline"),
-    more=("--plan-stream", "side,current"),
 ):
     import argparse
 
@@ -86,7 +85,7 @@ def _bench_layer_worker(
     destroy = B.dist.destroy_process_group
     B.dist.destroy_process_group = lambda *a, **k: None  # the test harness owns the group
     try:
-        B.run(parser.parse_args([*common, *extra, *more, "--json", path]))
+        B.run(parser.parse_args([*common, *extra, "--json", path]))
     finally:
         B.dist.destroy_process_group = destroy
     return True
@@ -103,18 +102,12 @@ def test_bench_layer_on_cpu_times_every_variant_interleaved(tmp_path):
     assert result["timing"].startswith("interleaved: 3 rounds")
     for chunks in ("1", "2", "1i"):
         mine = [r for r in rows if r["chunks"] == chunks]
-        # overlap on for comm_sms 0 and 8 (for 1i under both SM-reservation policies and both plan streams),
-        # overlap off, no a2a (for 1i once per plan stream)
-        on = [(True, 0), (True, 8)] if chunks != "1i" else [(True, 0)] * 4 + [(True, 8)] * 4
-        none = [("no a2a", 0)] * (2 if chunks == "1i" else 1)
-        assert [(r["overlap"], r["comm_sms"]) for r in mine] == [*on, (False, 0), *none]
+        # overlap on for comm_sms 0 and 8 (for 1i under both SM-reservation policies), overlap off, no a2a
+        on = [(True, 0), (True, 8)] if chunks != "1i" else [(True, 0)] * 2 + [(True, 8)] * 2
+        assert [(r["overlap"], r["comm_sms"]) for r in mine] == [*on, (False, 0), ("no a2a", 0)]
         if chunks == "1i":
-            settings = [(r.get("sm_reservation"), r.get("plan_stream")) for r in mine]
-            per_sms = [("auto", "side"), ("auto", "current"), ("all", "side"), ("all", "current")]
-            assert settings == [*per_sms, *per_sms, (None, None), (None, "side"), (None, "current")]
-            for r in mine:  # the paired differences: against "all", against "current"
-                assert ("vs_all_ms" in r) == (r["overlap"] is True and r["sm_reservation"] == "auto"), r
-                assert ("vs_current_ms" in r) == (r["overlap"] is True and r["plan_stream"] == "side"), r
+            assert [r.get("sm_reservation") for r in mine] == ["auto", "all", "auto", "all", None, None]
+            assert all(("vs_all_ms" in r) == (r.get("sm_reservation") == "auto") for r in mine)
         for r in mine:
             assert r["ms"] > 0 and r["host_ms"] > 0 and r["a2a_alone_ms"] > 0
         for r in mine[: len(on)]:

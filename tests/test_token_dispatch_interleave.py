@@ -38,8 +38,7 @@ def _functional(case, rank, P, opts, step):
 
 def _interleave_worker(rank, P, kind, opts):
     a, b = _micro_batches(kind, P)
-    only_interleaved = ("sm_reservation", "plan_stream")
-    ref_opts = {k: v for k, v in opts.items() if k not in only_interleaved}
+    ref_opts = {k: v for k, v in opts.items() if k != "sm_reservation"}  # an option of the interleaved path only
     ref_a, ref_b = _autograd(a, rank, P, ref_opts), _autograd(b, rank, P, ref_opts)
     off_a, T_a = sum(a["T_r"][:rank]), a["T_r"][rank]
     off_b, T_b = sum(b["T_r"][:rank]), b["T_r"][rank]
@@ -76,9 +75,6 @@ NAMES = ("out", "dx", "dlogits", "dw1", "dw2")
         (2, "skewed", {"redispatch_x_in_backward": True}),
         (4, "random", {}),
         (2, "skewed", {"comm_sms": 8, "sm_reservation": "all"}),
-        (2, "random", {"plan_stream": "current"}),
-        (2, "empty_rank", {"num_chunks": 2, "plan_stream": "current"}),
-        (4, "skewed", {"overlap": False}),
     ],
 )
 def test_interleaved_equals_autograd_bitwise(P, kind, opts):
@@ -90,39 +86,10 @@ def test_interleaved_equals_autograd_bitwise(P, kind, opts):
                 assert torch.equal(r, g), f"rank {rank} micro-batch {mb} {n}"
 
 
-# ep_forward_backward's launch order per plan_stream (module docstring of interleave.py).
-_ORDERS = {
-    "side": [
-        "rows_out",  # A: dO
-        "plan",  # B: plan's counts all-gather
-        "backward_data",  # A (queued behind its dO rows)
-        "rows_out",  # B: dispatch
-        "rows_back",  # A: dX
-        "pairs_back",  # A: dS
-        "forward",  # B: experts
-        "rows_back",  # B: combine
-        "backward_weights",  # A
-    ],
-    "current": [
-        "rows_out",  # A: dO
-        "plan",  # B: plan
-        "rows_out",  # B: dispatch
-        "backward_data",  # A
-        "rows_back",  # A: dX
-        "pairs_back",  # A: dS
-        "forward",  # B: experts
-        "rows_back",  # B: combine
-        "backward_weights",  # A
-    ],
-}
-
-
-@pytest.mark.parametrize("plan_stream", sorted(_ORDERS))
-def test_launch_order(monkeypatch, plan_stream):
-    """ep_forward_backward's order (one process): A's dO rows go out before B's plan; A's backward-data GEMMs
-    after B's counts all-gather ("side") or after B's dispatch ("current"); A's dX / dS before B's experts; B's
-    combine before A's weight gradients; and nothing waits for a collective between its launch and the other
-    micro-batch's kernels that should hide it."""
+def test_launch_order(monkeypatch):
+    """ep_forward_backward's order (one process): A's dO rows go out before B's plan; B's dispatch before A's
+    backward-data GEMMs; A's dX / dS before B's experts; B's combine before A's weight gradients; and nothing
+    waits for a collective between its launch and the other micro-batch's kernels that should hide it."""
     from sonic_megatron.kernels import torch_backend
     from sonic_megatron.token_dispatch import comm, exchange, plan
 
@@ -140,24 +107,31 @@ def test_launch_order(monkeypatch, plan_stream):
         wrap(torch_backend, name, name)
     monkeypatch.setattr(comm.Pending, "wait", lambda self, o=comm.Pending.wait: (log.append("wait"), o(self))[1])
     a, b = _micro_batches("random", 1)
-    kw = dict(num_experts=a["E"], backend="torch", plan_stream=plan_stream)
+    kw = dict(num_experts=a["E"], backend="torch")
     off, T, x, logits, w1, w2 = _leaves(a, 0, 1, torch.float64)
     _, fwd_a = ep_forward(x, build_routing(a, logits, off, T), w1, w2, **kw)
     _, _, logits_b = _leaves(b, 0, 1, torch.float64)[1:4]
     log.clear()
     ep_forward_backward(fwd_a, a["grad"], x, build_routing(b, logits_b, 0, T), w1, w2, **kw)
     events = [e for e in log if e != "wait"]
-    assert events == _ORDERS[plan_stream], log
-    if plan_stream == "side":  # before A's backward-data GEMMs only A's own dO (and X) rows are waited for
-        assert log[: log.index("backward_data")] == ["rows_out", "plan", "wait", "wait"], log
-    else:  # A's dO and B's plan: nothing waited for before B's rows go
-        i_dispatch_b = [i for i, e in enumerate(log) if e == "rows_out"][1]
-        assert "wait" not in log[:i_dispatch_b], log
+    assert events == [
+        "rows_out",  # A: dO
+        "plan",  # B: plan
+        "rows_out",  # B: dispatch
+        "backward_data",  # A
+        "rows_back",  # A: dX
+        "pairs_back",  # A: dS
+        "forward",  # B: experts
+        "rows_back",  # B: combine
+        "backward_weights",  # A
+    ], log
+    i_dispatch_b = [i for i, e in enumerate(log) if e == "rows_out"][1]
+    assert "wait" not in log[:i_dispatch_b], log  # A's dO and B's plan: nothing waited for before B's rows go
     i_combine_b = [i for i, e in enumerate(log) if e == "rows_back"][1]
     assert "wait" not in log[i_combine_b : log.index("backward_weights")], log
 
 
-def test_bad_comm_sms_sm_reservation_or_plan_stream():
+def test_bad_comm_sms_or_sm_reservation():
     a, _ = _micro_batches("random", 1)
     off, T, x, logits, w1, w2 = _leaves(a, 0, 1, torch.float64)
     kw = dict(num_experts=a["E"], backend="torch")
@@ -168,8 +142,6 @@ def test_bad_comm_sms_sm_reservation_or_plan_stream():
     _, fwd = ep_forward(x, build_routing(a, logits, off, T), w1, w2, **kw)
     with pytest.raises(ValueError, match="ep_forward_backward: sm_reservation must be one of"):
         ep_forward_backward(fwd, a["grad"], x, build_routing(a, logits, off, T), w1, w2, sm_reservation=1, **kw)
-    with pytest.raises(ValueError, match=r"ep_forward_backward: plan_stream must be one of \('side', 'current'\)"):
-        ep_forward_backward(fwd, a["grad"], x, build_routing(a, logits, off, T), w1, w2, plan_stream="cuda", **kw)
 
 
 def test_bad_state_or_gradient():

@@ -88,15 +88,14 @@ def send_recv(inp: torch.Tensor, to: int, out: torch.Tensor, frm: int, group) ->
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def all_gather(t: torch.Tensor, group, async_op: bool = False):
-    """[P, *t.shape]: every rank's ``t`` (same shape on every rank by construction). With ``async_op``:
-    (that tensor, the work handle to wait for before reading it; None without communication)."""
+def all_gather(t: torch.Tensor, group) -> torch.Tensor:
+    """[P, *t.shape]: every rank's ``t`` (same shape on every rank by construction)."""
     P = group_size(group)
     if P == 1:
-        return (t.unsqueeze(0), None) if async_op else t.unsqueeze(0)
+        return t.unsqueeze(0)
     out = t.new_empty(P * t.numel())
-    work = _all_gather_flat(out, t.contiguous().reshape(-1), group=group, async_op=async_op)
-    return (out.view(P, *t.shape), work) if async_op else out.view(P, *t.shape)
+    _all_gather_flat(out, t.contiguous().reshape(-1), group=group)
+    return out.view(P, *t.shape)
 
 
 def all_gather_strings(msg: str, group) -> list[str]:

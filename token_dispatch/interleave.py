@@ -7,18 +7,11 @@ their own to hide behind (each waits for the other's result); across micro-batch
 launches, in this order (every rank the same, so NCCL's one stream per group sees the same sequence):
 
     A: dO all-to-all (the backward's rows towards the experts)
-    B: plan's device work and counts all-gather (``start_plan``; not waited for)
-    A: backward-data GEMMs (queued behind A's dO rows)         <- while A's dO and B's counts travel
-    B: host copy of the counts (``finish_plan``), pair metadata and dispatch all-to-alls, receive metadata
-    A: dX / dS all-to-alls back                                <- B's rows travel beside A's GEMMs
+    B: plan (its counts all-gather and host copy), dispatch all-to-all, receive metadata
+    A: backward-data GEMMs, dX / dS all-to-alls back          <- while B's rows travel
     B: experts (up, down, gather-sum), combine all-to-all     <- while A's dX / dS travel
     A: weight-gradient GEMMs, dX sum                           <- while B's combine travels
     B: combine sum
-
-On CUDA, B's host copy and its pair / row all-to-all launches go through a side stream ordered only after B's
-own device work (``plan_stream="side"``, the default), so the host waits for the counts, not for A's GEMMs, and
-B's rows do not wait for A's GEMMs to leave. ``plan_stream="current"`` is the order before (B's whole plan
-and dispatch launch first, A's backward-data GEMMs after them; the host copy then waits behind A's dO rows).
 
 Functional API (no autograd graph through the layer; gradients are returned):
 
@@ -49,10 +42,9 @@ from .layer import (
     record_function,
     run_steps,
 )
-from .plan import EPPlan, finish_plan, start_plan
+from .plan import EPPlan, make_plan
 from .rounding import TokenRounding
-from .streams import side_stream
-from .validation import check_comm_sms, check_plan_stream, check_sm_reservation
+from .validation import check_comm_sms, check_sm_reservation
 
 
 @dataclass
@@ -120,7 +112,6 @@ _OPTION_NAMES = (
     "redispatch_x_in_backward",
     "overlap",
     "sm_reservation",
-    "plan_stream",
 )
 
 
@@ -135,7 +126,6 @@ def _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, o: dict):
     caller = "ep_forward" if prev is None else "ep_forward_backward"
     check_comm_sms(o["comm_sms"], caller)
     check_sm_reservation(o["sm_reservation"], caller)
-    check_plan_stream(o["plan_stream"], caller)
     ops = resolve_backend(o["backend"], x_TD.device)  # before prev's collectives go out
     bwd = None
     if prev is not None:  # checked by ep_forward_backward
@@ -144,7 +134,7 @@ def _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, o: dict):
             next(bwd)  # prev's dO rows are in flight while this micro-batch plans
     # The plan outside no_grad: its scores_R keeps the autograd link to the router (EPGrads.dscores_R's target).
     with record_function("ep.plan"):
-        start = start_plan(
+        plan = make_plan(
             routing,
             num_experts=o["num_experts"],
             group=o["group"],
@@ -156,15 +146,6 @@ def _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, o: dict):
             w2_EDF=w2_EDF,
             activation=o["activation"],
         )
-    # "side": prev's backward-data GEMMs are queued before this host waits for the plan's counts, and the
-    # plan's sync and row launches go through a side stream (CUDA), so neither waits behind those GEMMs.
-    early = bwd is not None and o["overlap"] and o["plan_stream"] == "side"
-    side = side_stream(x_TD.device) if early else None
-    if early:
-        with torch.no_grad():
-            next(bwd)  # prev's backward-data GEMMs are queued: the GPU runs them while this host waits below
-    with record_function("ep.plan"):
-        plan = finish_plan(start, side)
     fwd = _forward_steps(
         x_TD.contiguous(),
         w1_EGD,
@@ -176,18 +157,9 @@ def _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, o: dict):
         free_sms=_free_sms(plan, o["comm_sms"], o["overlap"], bwd is not None, o["sm_reservation"]),
         store_h=True,
         redispatch=o["redispatch_x_in_backward"],
-        launch_stream=side,
     )
-    grads = None
     with torch.no_grad():
-        if bwd is None:
-            out_TD, saved = run_steps(fwd)
-        else:
-            next(fwd)  # this micro-batch's rows are in flight, and its receive metadata is queued
-            if not early:
-                next(bwd)  # prev's backward-data GEMMs ("current": after this micro-batch's plan and rows)
-            next(bwd)  # prev's dX / dS all-to-alls are in flight
-            (out_TD, saved), grads = _alternate(fwd, bwd)  # this one's experts and combine, prev's dW, the sums
+        (out_TD, saved), grads = _alternate(fwd, bwd) if bwd is not None else (run_steps(fwd), None)
     state = EPForward(plan, ops, o["activation"], saved, w1_EGD, w2_EDF, o["comm_sms"], o["sm_reservation"])
     return out_TD, state, None if grads is None else EPGrads(*grads)
 
@@ -209,7 +181,6 @@ def ep_forward(
     redispatch_x_in_backward: bool = False,
     overlap: bool = True,
     sm_reservation: str = "auto",
-    plan_stream: str = "side",
 ) -> tuple[torch.Tensor, EPForward]:
     """The expert-parallel experts forward of one micro-batch without autograd: (out_TD, state for the
     backward; it keeps H and the received rows, as the autograd path does in training). Arguments as
@@ -217,10 +188,7 @@ def ep_forward(
     ``sm_reservation``: in which GEMMs of an interleaved step the ``comm_sms`` reservation applies -- "auto"
     (default): only the first GEMM of each forward / backward-data call, the rest get every SM (the other
     micro-batch's all-to-all beside them is shorter than the call); "all": every GEMM beside a collective.
-    ``plan_stream`` (takes effect in ``ep_forward_backward``; accepted here so that both take one option
-    set): "side" (default) queues the previous micro-batch's backward-data GEMMs before this host waits for
-    the plan's counts, and syncs and launches the dispatch through a CUDA side stream; "current": plan and
-    dispatch first, on the current stream (module docstring). Results are bitwise the same for every policy."""
+    Results are bitwise the same either way."""
     options = _options(locals())
     out_TD, state, _ = _forward_with(None, None, x_TD, routing, w1_EGD, w2_EDF, options)
     return out_TD, state
@@ -252,7 +220,6 @@ def ep_forward_backward(
     redispatch_x_in_backward: bool = False,
     overlap: bool = True,
     sm_reservation: str = "auto",
-    plan_stream: str = "side",
 ) -> tuple[torch.Tensor, EPForward, EPGrads]:
     """The backward of micro-batch ``prev`` (output gradient ``grad_prev_TD``) interleaved with the forward of
     the next micro-batch (the remaining arguments, as ``ep_forward``): (out_TD, its state, prev's gradients).

@@ -35,7 +35,6 @@ from .comm import Pending
 from .plan import EPPlan, make_plan
 from .rounding import TokenRounding
 from .stepwise import _in_weight_dtype, _weight_grads
-from .streams import on, record_for
 from .validation import check_comm_sms
 from .wgrad import DeferredWeightGrad
 
@@ -48,25 +47,17 @@ def record_function(name: str):
     return contextlib.nullcontext()
 
 
-def _launch_rows(plan: EPPlan, x_TD: torch.Tensor, eager: bool, stream=None) -> tuple[torch.Tensor, list]:
+def _launch_rows(plan: EPPlan, x_TD: torch.Tensor, recv_UD: torch.Tensor, eager: bool) -> list:
     """Launch every stage's row all-to-all, stage by stage: NCCL runs one group's collectives in launch order,
     so stage i waits only for stages <= i. Each stage's send rows are gathered just before its launch, so
-    stage 0 leaves early. Returns (receive buffer [U, D], per-stage pending). ``stream``: a CUDA side stream
-    that gathers and launches (so that neither waits for what the current stream has queued); both buffers
-    then come from its memory (``streams.py``) and the current stream waits for it afterwards."""
-    current = torch.cuda.current_stream() if stream is not None else None
-    with on(stream):
-        recv_UD = x_TD.new_empty(plan.num_recv_rows, x_TD.shape[1])
-        record_for(recv_UD, current)  # read by the current stream's GEMMs (and cached for the backward)
-        send_SD = x_TD.new_empty(plan.num_send_rows, x_TD.shape[1])
-        pend = [Pending(eager) for _ in range(plan.num_stages)]
-        for i in range(plan.num_stages):
-            s0, s1 = plan.send_row_range(i)
-            torch.index_select(x_TD, 0, plan.send_token_idx_S[s0:s1], out=send_SD[s0:s1])
-            X.rows_to_experts(plan, send_SD, X.recv_rows(plan, recv_UD, i), i, pend[i])
-    if stream is not None:
-        current.wait_stream(stream)
-    return recv_UD, pend
+    stage 0 leaves early."""
+    send_SD = x_TD.new_empty(plan.num_send_rows, x_TD.shape[1])
+    pend = [Pending(eager) for _ in range(plan.num_stages)]
+    for i in range(plan.num_stages):
+        s0, s1 = plan.send_row_range(i)
+        torch.index_select(x_TD, 0, plan.send_token_idx_S[s0:s1], out=send_SD[s0:s1])
+        X.rows_to_experts(plan, send_SD, X.recv_rows(plan, recv_UD, i), i, pend[i])
+    return pend
 
 
 def _comm_sms(plan: EPPlan, comm_sms: int, overlap: bool, multi_stage_only: bool) -> int:
@@ -116,18 +107,15 @@ def _free_sms(plan: EPPlan, comm_sms: int, overlap: bool, concurrent: bool, rese
     )
 
 
-def _forward_steps(
-    x_TD, w1, w2, plan: EPPlan, ops, activation, *, overlap, free_sms, store_h, redispatch, launch_stream=None
-):
+def _forward_steps(x_TD, w1, w2, plan: EPPlan, ops, activation, *, overlap, free_sms, store_h, redispatch):
     """The forward as a generator of steps: it yields right after launching collectives that its next work
     waits for (so that the kernels of another micro-batch can run meanwhile: ``interleave.py``; run alone,
-    the yields are no-ops) and returns (out_TD, _Saved). ``launch_stream``: a CUDA side stream that gathers
-    and launches the dispatch rows (``_launch_rows``), so that they need not wait for what the current stream
-    has queued (another micro-batch's GEMMs)."""
+    the yields are no-ops) and returns (out_TD, _Saved)."""
     S, D, eager = plan.num_stages, x_TD.shape[1], not overlap
+    x_recv = x_TD.new_empty(plan.num_recv_rows, D)
     metas = plan.recv_meta if eager else None  # no overlap: the pair all-to-alls complete before the rows
     with record_function("ep.fwd.dispatch_launch"):
-        x_recv, pend_x = _launch_rows(plan, x_TD, eager, launch_stream)
+        pend_x = _launch_rows(plan, x_TD, x_recv, eager)
     # Receive metadata and scores (they came with the plan's pair all-to-alls, launched before the rows):
     # built while the row all-to-alls are in flight.
     with record_function("ep.fwd.recv_metadata"):
@@ -156,17 +144,18 @@ def _forward_steps(
 
 def _backward_steps(grad_TD, saved: _Saved, w1, w2, plan: EPPlan, ops, activation, wgrad, want, scores_like):
     """The backward as a generator of steps (yields as ``_forward_steps``: after launching the dO all-to-alls,
-    after queuing the first stage's backward-data GEMMs, and before the last stage's weight-gradient GEMMs);
-    returns (dx_TD, dscores_R, dw1, dw2).
+    and before the last stage's weight-gradient GEMMs); returns (dx_TD, dscores_R, dw1, dw2).
     ``want``: which of (dx, dscores, weights) are needed; ``scores_like``: (shape, dtype) of plan.scores_R."""
     S, D, eager = plan.num_stages, grad_TD.shape[1], saved.eager
     free = saved.free_sms
     want_dx, want_ds, want_w = want
     grad_TD = grad_TD.contiguous()
+    dO_recv = grad_TD.new_empty(plan.num_recv_rows, D)
     with record_function("ep.bwd.dispatch_launch"):
-        dO_recv, pend_dO = _launch_rows(plan, grad_TD, eager)
+        pend_dO = _launch_rows(plan, grad_TD, dO_recv, eager)
         if saved.redispatch:
-            x_recv, pend_x = _launch_rows(plan, saved.x, eager)
+            x_recv = saved.x.new_empty(plan.num_recv_rows, D)
+            pend_x = _launch_rows(plan, saved.x, x_recv, eager)
         else:
             x_recv, pend_x = saved.x, [Pending() for _ in range(S)]
     yield  # the dO (and X) rows are in flight
@@ -184,8 +173,6 @@ def _backward_steps(grad_TD, saved: _Saved, w1, w2, plan: EPPlan, ops, activatio
                 dO, x, saved.hs[i], X.recv_pairs(plan, saved.s_recv, i), w1, w2, meta, activation
             )
             ds = ds.to(ct)
-        if i == 0:
-            yield  # the first stage's backward-data GEMMs are queued (another micro-batch may launch rows now)
         X.rows_to_sources(plan, dx, dx_send, i, pend_back)
         X.pairs_to_sources(plan, ds, ds_send, i, pend_back)
         keep.append((dx, ds))

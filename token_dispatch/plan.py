@@ -42,7 +42,6 @@ from ..kernels.routing import FlatRouting, RoutingMetadata, TopKRouting, compute
 from . import validation as V
 from .comm import Pending, all_gather, all_to_all, group_fingerprint, group_rank, group_size
 from .rounding import RoundingResult, TokenRounding, round_routing
-from .streams import on, record_for
 
 
 @dataclass
@@ -302,30 +301,6 @@ def _build_send_side(routing, tok_R, exp_R, scores_R, T, L, P, N) -> _SendSide:
     return _send_side(tok_R, exp_R, scores_R, T, L, P, N)
 
 
-@dataclass
-class PlanStart:
-    """A plan whose device work and counts all-gather are launched but not yet read back (``start_plan``);
-    ``finish_plan`` turns it into an ``EPPlan``. Between the two, the caller may queue other work (another
-    micro-batch's GEMMs): the host has not waited for anything yet."""
-
-    group: object
-    rank: int
-    world_size: int
-    num_experts: int
-    num_local_experts: int
-    num_chunks: int
-    num_tokens: int
-    by_source: bool
-    error: str | None
-    routing: tuple | None  # (tok_R, exp_R, scores_R) when the local checks passed
-    rounding: TokenRounding | None
-    rounding_scores_TE: torch.Tensor | None
-    side: _SendSide | None
-    gathered_dev: torch.Tensor  # [P, HEADER_LEN + counts] on the device (filled by the all-gather)
-    work: object  # the all-gather's work handle (None without communication)
-    ready: object  # CUDA event after the start's device work (None on CPUs)
-
-
 def make_plan(
     routing: TopKRouting | FlatRouting,
     *,
@@ -340,8 +315,7 @@ def make_plan(
     w2_EDF: torch.Tensor | None = None,
     activation: str | None = None,
 ) -> EPPlan:
-    """Plan one MoE layer call under expert parallelism (see the module docstring for its collectives);
-    ``finish_plan(start_plan(...))``.
+    """Plan one MoE layer call under expert parallelism (see the module docstring for its collectives).
 
     Args:
         routing: this rank's ``TopKRouting`` / ``FlatRouting`` over GLOBAL expert ids [0, E).
@@ -357,38 +331,6 @@ def make_plan(
             compared across ranks in the same header exchange (recommended: a mismatch then raises on all
             ranks instead of failing or hanging inside an all-to-all).
     """
-    start = start_plan(
-        routing,
-        num_experts=num_experts,
-        group=group,
-        rounding=rounding,
-        rounding_scores_TE=rounding_scores_TE,
-        num_chunks=num_chunks,
-        by_source=by_source,
-        x_TD=x_TD,
-        w1_EGD=w1_EGD,
-        w2_EDF=w2_EDF,
-        activation=activation,
-    )
-    return finish_plan(start)
-
-
-def start_plan(
-    routing: TopKRouting | FlatRouting,
-    *,
-    num_experts: int,
-    group=None,
-    rounding: TokenRounding | None = None,
-    rounding_scores_TE: torch.Tensor | None = None,
-    num_chunks: int = 1,
-    by_source: bool = False,
-    x_TD: torch.Tensor | None = None,
-    w1_EGD: torch.Tensor | None = None,
-    w2_EDF: torch.Tensor | None = None,
-    activation: str | None = None,
-) -> PlanStart:
-    """The part of ``make_plan`` before its host sync (arguments as there): local checks, the header, the send
-    side (without rounding) and the header + counts all-gather, launched and NOT waited for."""
     P, rank = group_size(group), group_rank(group)
     T = V.routing_num_tokens(routing)
     error = None
@@ -411,10 +353,10 @@ def start_plan(
     device = (routing.indices_TK if isinstance(routing, TopKRouting) else routing.token_idx_R).device
     N = num_chunks if error is None else 1
     L = max(num_experts // P, 1) if error is None else 1
-    stats, flat = None, None
+    stats = None
     if error is None:
-        flat = _flat(routing)
-        stats = V.index_stats(flat[0], flat[1], T, isinstance(routing, FlatRouting))
+        tok_R, exp_R, scores_R = _flat(routing)
+        stats = V.index_stats(tok_R, exp_R, T, isinstance(routing, FlatRouting))
     hdr = V.header(
         error=error is not None,
         num_tokens=T,
@@ -432,99 +374,30 @@ def start_plan(
         index_stats=stats,
         device=device,
     )
+
+    def counts_slot(side: _SendSide | None) -> list[torch.Tensor]:
+        # Fixed size (MAX_CHUNKS) so that ranks passing different num_chunks still exchange equal sizes.
+        if side is None:
+            return [torch.zeros(2 * V.MAX_CHUNKS * P, dtype=torch.int64, device=device)]
+        pad = torch.zeros((V.MAX_CHUNKS - N) * P, dtype=torch.int64, device=device)
+        return [side.rows_NP, pad, side.pairs_NP, pad]
+
     # Everything that needs no host size is launched before the sync: the send side (sized by R).
-    side = _build_send_side(routing, *flat, T, L, P, N) if error is None and rounding is None else None
-    gathered_dev, work = all_gather(torch.cat([*hdr, *_counts_slot(side, N, P, device)]), group, async_op=True)
-    ready = None
-    if device.type == "cuda":
-        ready = torch.cuda.Event()
-        ready.record()
-    return PlanStart(
-        group,
-        rank,
-        P,
-        num_experts,
-        L,
-        N,
-        T,
-        by_source,
-        error,
-        flat,
-        rounding,
-        rounding_scores_TE,
-        side,
-        gathered_dev,
-        work,
-        ready,
-    )
-
-
-def _counts_slot(side: _SendSide | None, N: int, P: int, device) -> list[torch.Tensor]:
-    """The per-(chunk, destination) row and pair counts, in a slot of fixed size (MAX_CHUNKS) so that ranks
-    passing different num_chunks still exchange equal sizes (zeros before rounding)."""
-    if side is None:
-        return [torch.zeros(2 * V.MAX_CHUNKS * P, dtype=torch.int64, device=device)]
-    pad = torch.zeros((V.MAX_CHUNKS - N) * P, dtype=torch.int64, device=device)
-    return [side.rows_NP, pad, side.pairs_NP, pad]
-
-
-def _to_host(t: torch.Tensor, stream) -> list:
-    """``t.tolist()``; on a side stream through pinned memory and a sync of that stream only, because a copy
-    into pageable memory was measured to return only after the GEMMs queued on the current stream had
-    finished."""
-    if stream is None:
-        return t.tolist()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    stream.synchronize()
-    return host.tolist()
-
-
-def finish_plan(start: PlanStart, stream=None) -> EPPlan:
-    """The rest of ``make_plan``: the host sync on the counts all-gather, rounding, the host split sizes and
-    the pair-metadata all-to-alls (launched, not waited for).
-
-    ``stream`` (CUDA, no rounding): a side stream for the host copy of the counts and the pair all-to-alls,
-    so that the host waits only for the all-gather and for the device work of ``start_plan``, not for what
-    the current stream queued since (``interleave.py`` queues the previous micro-batch's backward GEMMs
-    there); the current stream waits for the side stream at the end. With rounding the whole finish runs on
-    the current stream (rounding's own syncs)."""
-    if start.rounding is not None or start.ready is None:
-        stream = None
-    current = torch.cuda.current_stream() if stream is not None else None
-    with on(stream):
-        if stream is not None:
-            stream.wait_event(start.ready)
-        plan = _finish(start, stream, current)
-    if stream is not None:  # what the current stream queues from now on sees the all-gather (counts_dev)
-        current.wait_stream(stream)
-    return plan
-
-
-def _finish(start: PlanStart, stream, current) -> EPPlan:
-    """``finish_plan`` on the stream that is current (``stream``, or the caller's when it is None)."""
-    group, P, rank, N, T = start.group, start.world_size, start.rank, start.num_chunks, start.num_tokens
-    if start.work is not None:
-        start.work.wait()
-    gathered = _to_host(start.gathered_dev, stream)  # the host sync: header + split sizes
-    V.check_headers([g[: V.HEADER_LEN] for g in gathered], start.error, group, start.num_experts)
+    side = _build_send_side(routing, tok_R, exp_R, scores_R, T, L, P, N) if error is None and rounding is None else None
+    # The one host sync of the plan without rounding: header + split sizes (the header check rides along).
+    gathered_dev = all_gather(torch.cat([*hdr, *counts_slot(side)]), group)
+    gathered = gathered_dev.tolist()
+    V.check_headers([g[: V.HEADER_LEN] for g in gathered], error, group, num_experts)
     counts_P = [g[V.HEADER_LEN :] for g in gathered]
-    counts_dev = start.gathered_dev[:, V.HEADER_LEN :]  # the same counts on the device (receive metadata)
-    tok_R, exp_R, scores_R = start.routing
-    side, rounded = start.side, None
-    if start.rounding is not None:
+    counts_dev = gathered_dev[:, V.HEADER_LEN :]  # the same counts on the device (receive metadata)
+    rounded = None
+    if rounding is not None:
         rounded = round_routing(
-            tok_R,
-            exp_R,
-            scores_R,
-            start.rounding_scores_TE,
-            num_experts=start.num_experts,
-            rounding=start.rounding,
-            group=group,
+            tok_R, exp_R, scores_R, rounding_scores_TE, num_experts=num_experts, rounding=rounding, group=group
         )
         tok_R, exp_R, scores_R = rounded.token_idx_R, rounded.expert_idx_R, rounded.scores_R
-        side = _send_side(tok_R, exp_R, scores_R, T, start.num_local_experts, P, N)
-        counts_dev = all_gather(torch.cat(_counts_slot(side, N, P, tok_R.device)), group)
+        side = _send_side(tok_R, exp_R, scores_R, T, L, P, N)
+        counts_dev = all_gather(torch.cat(counts_slot(side)), group)
         counts_P = counts_dev.tolist()  # host sync: sizes after rounding
 
     # --- after the sync: host split sizes [N][P], then at once the pair-metadata all-to-alls ---------------
@@ -541,8 +414,8 @@ def _finish(start: PlanStart, stream, current) -> EPPlan:
         group=group,
         rank=rank,
         world_size=P,
-        num_experts=start.num_experts,
-        num_local_experts=start.num_local_experts,
+        num_experts=num_experts,
+        num_local_experts=L,
         num_chunks=N,
         num_tokens=T,
         token_idx_R=tok_R,
@@ -557,18 +430,18 @@ def _finish(start: PlanStart, stream, current) -> EPPlan:
         recv_rows=recv_rows,
         recv_pairs=recv_pairs,
         rounding=rounded,
-        by_source=start.by_source,
+        by_source=by_source,
     )
     # Pair metadata (and scores): one all-to-all per chunk, launched now and NOT waited for: the receive
     # metadata is built on first use of ``plan.recv_meta`` (after the caller launched its row all-to-alls).
     meta_QC = side.pair_meta_RC.new_empty(plan.num_recv_pairs, side.pair_meta_RC.shape[1])
-    record_for(meta_QC, current)  # from the side stream's memory, read later by the current stream
     pending = Pending()
     for c in range(N):
         s0, s1 = plan.chunk_range("send_pairs", c)
         r0, r1 = plan.chunk_range("recv_pairs", c)
-        recv, send = meta_QC[r0:r1], side.pair_meta_RC[s0:s1]
-        pending.add(all_to_all(recv, send, recv_pairs[c], send_pairs[c], group, async_op=True))
+        pending.add(
+            all_to_all(meta_QC[r0:r1], side.pair_meta_RC[s0:s1], recv_pairs[c], send_pairs[c], group, async_op=True)
+        )
     plan._incoming = (pending, meta_QC, counts_dev)
     return plan
 

@@ -276,12 +276,3 @@ def check_sm_reservation(value, caller: str) -> None:
     """``sm_reservation`` must be one of SM_RESERVATIONS."""
     if value not in SM_RESERVATIONS:
         raise ValueError(f"{caller}: sm_reservation must be one of {SM_RESERVATIONS}, got {value!r}")
-
-
-PLAN_STREAMS = ("side", "current")  # ep_forward_backward's plan_stream (interleave.py)
-
-
-def check_plan_stream(value, caller: str) -> None:
-    """``plan_stream`` must be one of PLAN_STREAMS."""
-    if value not in PLAN_STREAMS:
-        raise ValueError(f"{caller}: plan_stream must be one of {PLAN_STREAMS}, got {value!r}")

@@ -35,11 +35,9 @@ time during which a compute kernel runs on the GPU, from the trace), which count
 ``host_ms`` is the time until the Python call (forward + backward) returns, before the final device sync.
 ``rel_diff_out`` / ``rel_diff_dx``: max relative difference of the output / dX against the first
 ``--chunks`` value (a check of the chunk plumbing; chunking only changes dW's rounding).
-For ``Ni`` schedules every ``--sm-reservation`` policy and every ``--plan-stream`` is timed with overlap on in the
-same rounds; ``vs_all_ms`` = median over rounds of t(all) - t(this policy), ``vs_current_ms`` = median over rounds of
-t(plan_stream current) - t(this row), the other settings the same (positive: this row is faster).
-``bitwise`` says whether the output and all gradients with overlap (the largest ``--comm-sms``, the first
-``--sm-reservation``, every ``--plan-stream``) equal those without, bit for bit;
+For ``Ni`` schedules every ``--sm-reservation`` policy is timed with overlap on in the same rounds; ``vs_all_ms`` =
+median over rounds of t(all) - t(this policy), same comm_sms.
+``bitwise`` says whether the output and all gradients with overlap equal those without, bit for bit;
 ``bitwise_vs_first`` whether they equal those of the first ``--chunks`` schedule (expected for ``Ni`` after ``N``).
 ``--count-ops`` replaces the timing by a count of ours' host work (``token_dispatch/launch_count.py``), per
 chunk count: would-be kernel launches, collectives and host syncs of ``make_plan`` alone, of the forward
@@ -88,14 +86,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated policies for the Ni schedules (ep_forward_backward's sm_reservation): auto = only "
         "the first GEMM of each forward / backward-data call leaves comm_sms SMs free, all = every GEMM beside a "
         "collective; several are timed in the same rounds (default auto)",
-    )
-    parser.add_argument(
-        "--plan-stream",
-        default="side",
-        help="comma-separated orders for the Ni schedules (ep_forward_backward's plan_stream): side = the previous "
-        "micro-batch's backward-data GEMMs are queued before the host waits for the plan's counts, whose copy and "
-        "the dispatch launch go through a side stream; current = plan and dispatch first on the current stream; "
-        "several are timed in the same rounds (default side)",
     )
     parser.add_argument("--backend", default="auto", help="kernels backend for ours: auto|torch|cute (default auto)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the Megatron baseline")
@@ -452,10 +442,10 @@ def run(args) -> int:
     routing = TopKRouting(scores, indices)
     results, outputs = [], {}
 
-    def ours(sched, overlap, comm_sms=0, reservation="auto", plan_stream="side"):
+    def ours(sched, overlap, comm_sms=0, reservation="auto"):
         chunks, kind = sched
         if kind == "i":
-            return interleaved(chunks, overlap, comm_sms, reservation, plan_stream)
+            return interleaved(chunks, overlap, comm_sms, reservation)
 
         def fn():
             out = expert_parallel_experts(
@@ -476,11 +466,11 @@ def run(args) -> int:
 
         return fn
 
-    def interleaved(chunks, overlap, comm_sms, reservation, plan_stream):
+    def interleaved(chunks, overlap, comm_sms, reservation):
         """A call: the forward of a micro-batch with the backward of the previous one (the first call also
         runs the first forward). Same tokens every time; gradients accumulate into .grad as autograd's do."""
         kw = dict(group=group, num_experts=E, backend=args.backend, num_chunks=chunks, comm_sms=comm_sms)
-        kw.update(overlap=overlap, sm_reservation=reservation, plan_stream=plan_stream)
+        kw.update(overlap=overlap, sm_reservation=reservation)
         state = []
 
         def fn():
@@ -501,14 +491,11 @@ def run(args) -> int:
 
     sched_list = [_schedule(c) for c in args.chunks.split(",") if c.strip()]
     sms_list = [int(v) for v in args.comm_sms.split(",") if v.strip()]
-    from ..token_dispatch.validation import PLAN_STREAMS, SM_RESERVATIONS
+    from ..token_dispatch.validation import SM_RESERVATIONS
 
     policies = [v.strip() for v in args.sm_reservation.split(",") if v.strip()]
     if not policies or any(v not in SM_RESERVATIONS for v in policies):
         raise SystemExit(f"--sm-reservation: each entry must be one of {SM_RESERVATIONS}, got {args.sm_reservation!r}")
-    streams = [v.strip() for v in args.plan_stream.split(",") if v.strip()]
-    if not streams or any(v not in PLAN_STREAMS for v in streams):
-        raise SystemExit(f"--plan-stream: each entry must be one of {PLAN_STREAMS}, got {args.plan_stream!r}")
     if any(v < 0 for v in sms_list):
         raise SystemExit(f"--comm-sms: SM counts must be >= 0, got {args.comm_sms!r}")
     chunk_list = [c for c, _ in sched_list]
@@ -553,9 +540,7 @@ def run(args) -> int:
     for sched in sched_list:
         chunks, kind = sched
         ref = grads_of(ours(sched, False))
-        # Overlap on (the largest comm_sms, each plan stream of an interleaved schedule) == overlap off, bitwise.
-        checked = [ours(sched, True, max(sms_list), policies[0], st) for st in (streams if kind == "i" else ["side"])]
-        same = all(torch.equal(a, b) for fn in checked for a, b in zip(ref, grads_of(fn), strict=True))
+        same = all(torch.equal(a, b) for a, b in zip(ref, grads_of(ours(sched, True, max(sms_list))), strict=True))
         # Sanity of the stage metadata: output and dX against the first schedule (max relative diff).
         first = first if sched != sched_list[0] else ref
         rel = [
@@ -570,35 +555,25 @@ def run(args) -> int:
         # all-to-alls alone (same plan), each once per round.
         plan = make_plan(routing, num_experts=E, group=group, x_TD=x0, num_chunks=chunks, by_source=kind == "s")
         none = contextlib.nullcontext
-        # The sm_reservation policies and plan streams apply to the interleaved schedule only (same rounds).
-        pols, strs = (policies, streams) if kind == "i" else ([None], [None])
-        variants = {
-            ("on", v, p, st): (ours(sched, True, v, p or "auto", st or "side"), none)
-            for v in sms_list
-            for p in pols
-            for st in strs
-        }
-        variants[("off", 0, None, None)] = (ours(sched, False), none)
-        for st in strs:  # the exposed time of each plan stream against its own no-a2a run
-            variants[("no a2a", 0, None, st)] = (ours(sched, True, 0, "auto", st or "side"), _no_layer_a2a)
+        # The sm_reservation policies apply to the interleaved schedule only (timed in the same rounds).
+        pols = policies if kind == "i" else [None]
+        variants = {("on", v, p): (ours(sched, True, v, p or "auto"), none) for v in sms_list for p in pols}
+        variants[("off", 0, None)] = (ours(sched, False), none)
+        variants[("no a2a", 0, None)] = (ours(sched, True, 0), _no_layer_a2a)
         variants["a2a"] = (_a2a_alone(plan, x0, device), none)
         timing = _timed_rounds(variants, device, args.warmup, args.iters)
         t_a2a[_label(sched)] = t_c = _median(timing.pop("a2a")[0])
-        t_off = timing[("off", 0, None, None)][0]
-        for (overlap, comm_sms, policy, stream), (total, host) in timing.items():
+        t_none, t_off = timing[("no a2a", 0, None)][0], timing[("off", 0, None)][0]
+        for (overlap, comm_sms, policy), (total, host) in timing.items():
             t = _median(total)
             row = dict(provider="ours", chunks=_label(sched), comm_sms=comm_sms)
-            if stream is not None:
-                row.update(sm_reservation=policy, plan_stream=stream)
-            if stream is not None and overlap == "on":
-                if policy != "all" and ("on", comm_sms, "all", stream) in timing:  # paired: what the policy saves
-                    row["vs_all_ms"] = _paired(timing[("on", comm_sms, "all", stream)][0], total) * 1e3
-                if stream != "current" and ("on", comm_sms, policy, "current") in timing:
-                    row["vs_current_ms"] = _paired(timing[("on", comm_sms, policy, "current")][0], total) * 1e3
+            if policy is not None:
+                row["sm_reservation"] = policy
+                if policy != "all" and ("on", comm_sms, "all") in timing:  # paired: what the policy saves
+                    row["vs_all_ms"] = _paired(timing[("on", comm_sms, "all")][0], total) * 1e3
             row.update(overlap=overlap if overlap == "no a2a" else overlap == "on")
             row.update(ms=t * 1e3, host_ms=_median(host) * 1e3, tokens_per_s=P * T / t, a2a_alone_ms=t_c * 1e3)
             if overlap == "on":
-                t_none = timing[("no a2a", 0, None, stream)][0]
                 exposed, gain = _paired(total, t_none), _paired(t_off, total)
                 row["a2a_exposed_ms"] = exposed * 1e3
                 row["a2a_hidden"] = max(0.0, min(1.0, 1 - exposed / t_c)) if t_c > 0 else None
@@ -649,8 +624,8 @@ def run(args) -> int:
     if rank == 0:
         print(f"bench layer: P={P} T={T} d={D} n={Fn} E={E} K={K} {args.dtype} on {device.type}")
         cols = ["provider", "chunks", "comm_sms", "overlap", "ms", "host_ms", "tokens_per_s", "a2a_alone_ms"]
-        cols[3:3] = ["sm_reservation", "plan_stream"] if any("sm_reservation" in r for r in results) else []
-        cols += [c for c in ("vs_all_ms", "vs_current_ms") if any(c in r for r in results)]
+        cols[3:3] = ["sm_reservation"] if any("sm_reservation" in r for r in results) else []
+        cols += ["vs_all_ms"] if any("vs_all_ms" in r for r in results) else []
         cols += ["a2a_exposed_ms", "a2a_hidden", "overlap_gain"]
         print_table(results, cols + ["bitwise", "bitwise_vs_first", "rel_diff_out", "rel_diff_dx"])
         print(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
