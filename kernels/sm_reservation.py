@@ -37,14 +37,11 @@ def reserved_sms() -> int:
 
 
 def take_reservation() -> int:
-    """The SMs a GEMM being launched now leaves free; counts the launch against ``gemms``."""
-    r = _RESERVATION.get()
-    if r.gemms_left is None:
-        return r.sms
-    if r.gemms_left <= 0:
-        return 0
-    r.gemms_left -= 1
-    return r.sms
+    """The SMs a GEMM being launched now leaves free (``reserved_sms``); counts the launch against ``gemms``."""
+    sms, r = reserved_sms(), _RESERVATION.get()
+    if r.gemms_left:  # counts down to 0; None (every launch) is never counted
+        r.gemms_left -= 1
+    return sms
 
 
 def check_reservation(n, gemms) -> None:
