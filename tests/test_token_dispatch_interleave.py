@@ -138,8 +138,7 @@ def test_bad_comm_sms_or_sm_reservation():
     kw = dict(num_experts=a["E"], backend="torch")
     with pytest.raises(ValueError, match="comm_sms must be an int >= 0"):
         ep_forward(x, build_routing(a, logits, off, T), w1, w2, comm_sms=-1, **kw)
-    bad = r"ep_forward: sm_reservation must be one of \('auto', 'all', 'first'\), got 'some'"
-    with pytest.raises(ValueError, match=bad):
+    with pytest.raises(ValueError, match=r"ep_forward: sm_reservation must be one of \('auto', 'all', 'first'\), got 'some'"):
         ep_forward(x, build_routing(a, logits, off, T), w1, w2, sm_reservation="some", **kw)
     _, fwd = ep_forward(x, build_routing(a, logits, off, T), w1, w2, **kw)
     with pytest.raises(ValueError, match="ep_forward_backward: sm_reservation must be one of"):
@@ -172,7 +171,9 @@ def _reservation_worker(rank, P, policy):
     return log
 
 
-@pytest.mark.parametrize("policy,data_gemms,weight_gemms", [("auto", 1, None), ("all", None, None), ("first", 1, 1)])
+@pytest.mark.parametrize(
+    "policy,data_gemms,weight_gemms", [("auto", 1, None), ("all", None, None), ("first", 1, 1)]
+)
 def test_interleaved_step_reserves_sms_per_policy(policy, data_gemms, weight_gemms):
     """In ep_forward_backward every backend call runs under comm_sms; "auto" limits the forward and backward-data
     calls to their first GEMM, the weight-gradient call reserves in all of its GEMMs except under "first"."""
