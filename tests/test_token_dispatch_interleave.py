@@ -75,7 +75,6 @@ NAMES = ("out", "dx", "dlogits", "dw1", "dw2")
         (2, "skewed", {"redispatch_x_in_backward": True}),
         (4, "random", {}),
         (2, "skewed", {"comm_sms": 8, "sm_reservation": "all"}),
-        (2, "random", {"num_chunks": 2, "comm_sms": 8, "sm_reservation": "first"}),
     ],
 )
 def test_interleaved_equals_autograd_bitwise(P, kind, opts):
@@ -138,7 +137,7 @@ def test_bad_comm_sms_or_sm_reservation():
     kw = dict(num_experts=a["E"], backend="torch")
     with pytest.raises(ValueError, match="comm_sms must be an int >= 0"):
         ep_forward(x, build_routing(a, logits, off, T), w1, w2, comm_sms=-1, **kw)
-    with pytest.raises(ValueError, match=r"ep_forward: sm_reservation must be one of \('auto', 'all', 'first'\), got 'some'"):
+    with pytest.raises(ValueError, match=r"ep_forward: sm_reservation must be one of \('auto', 'all'\), got 'some'"):
         ep_forward(x, build_routing(a, logits, off, T), w1, w2, sm_reservation="some", **kw)
     _, fwd = ep_forward(x, build_routing(a, logits, off, T), w1, w2, **kw)
     with pytest.raises(ValueError, match="ep_forward_backward: sm_reservation must be one of"):
@@ -171,15 +170,13 @@ def _reservation_worker(rank, P, policy):
     return log
 
 
-@pytest.mark.parametrize(
-    "policy,data_gemms,weight_gemms", [("auto", 1, None), ("all", None, None), ("first", 1, 1)]
-)
-def test_interleaved_step_reserves_sms_per_policy(policy, data_gemms, weight_gemms):
+@pytest.mark.parametrize("policy,data_gemms", [("auto", 1), ("all", None)])
+def test_interleaved_step_reserves_sms_per_policy(policy, data_gemms):
     """In ep_forward_backward every backend call runs under comm_sms; "auto" limits the forward and backward-data
-    calls to their first GEMM, the weight-gradient call reserves in all of its GEMMs except under "first"."""
+    calls to their first GEMM, the weight-gradient call always reserves in all of its GEMMs."""
     for log in run_distributed(_reservation_worker, 2, policy, timeout=120):
         assert log == [
             ("backward_data", (8, data_gemms)),
             ("forward", (8, data_gemms)),
-            ("backward_weights", (8, weight_gemms)),
+            ("backward_weights", (8, None)),
         ], log

@@ -187,9 +187,8 @@ def ep_forward(
     ``expert_parallel_experts`` (``comm_sms``: SMs the GEMMs leave free for the all-to-alls in flight), and
     ``sm_reservation``: in which GEMMs of an interleaved step the ``comm_sms`` reservation applies -- "auto"
     (default): only the first GEMM of each forward / backward-data call, the rest get every SM (the other
-    micro-batch's all-to-all beside them is shorter than the call); "all": every GEMM beside a collective;
-    "first": as "auto", and the weight-gradient GEMMs reserve in their first one (dW1) only.
-    Results are bitwise the same for every policy."""
+    micro-batch's all-to-all beside them is shorter than the call); "all": every GEMM beside a collective.
+    Results are bitwise the same either way."""
     options = _options(locals())
     out_TD, state, _ = _forward_with(None, None, x_TD, routing, w1_EGD, w2_EDF, options)
     return out_TD, state

@@ -72,12 +72,11 @@ def _comm_sms(plan: EPPlan, comm_sms: int, overlap: bool, multi_stage_only: bool
 class _SMBudget:
     """SMs the GEMMs leave free for collectives in flight: in a forward / backward-data call (``data``), in a
     weight-gradient call (``weights``), and in how many of a forward / backward-data call's GEMMs
-    (``data_gemms``) and of a weight-gradient call's GEMMs (``weight_gemms``) -- None: all of them."""
+    (``data_gemms``; None: all of them)."""
 
     data: int
     weights: int
     data_gemms: int | None = None
-    weight_gemms: int | None = None
 
 
 @dataclass
@@ -99,15 +98,12 @@ def _free_sms(plan: EPPlan, comm_sms: int, overlap: bool, concurrent: bool, rese
     call beside it (one all-to-all of rows vs two grouped GEMMs and a gather-sum), so with ``reservation``
     "auto" only the call's first GEMM leaves SMs free: the NCCL kernel started beside it keeps its SMs into the
     second, which otherwise gets every SM. "all": every GEMM (also the only policy with one micro-batch, whose
-    stages' collectives are not bounded by one call). Under "auto" the weight-gradient GEMMs all reserve (the
-    combine all-to-all beside them is about as long as both); "first" reserves in their first one only (dW1,
-    two thirds of the call's FLOPs, launched first), like the forward / backward-data calls."""
-    first = 1 if concurrent and reservation in ("auto", "first") else None
+    stages' collectives are not bounded by one call). The weight-gradient GEMMs always reserve (the combine
+    all-to-all beside them is about as long as both)."""
     return _SMBudget(
         data=_comm_sms(plan, comm_sms, overlap, multi_stage_only=not concurrent),
         weights=_comm_sms(plan, comm_sms, overlap, multi_stage_only=False),
-        data_gemms=first,
-        weight_gemms=1 if concurrent and reservation == "first" else None,
+        data_gemms=1 if concurrent and reservation == "auto" else None,
     )
 
 
@@ -183,7 +179,7 @@ def _backward_steps(grad_TD, saved: _Saved, w1, w2, plan: EPPlan, ops, activatio
         if i == S - 1:
             yield  # the last stage's dX / dS all-to-alls are in flight
         if want_w:  # runs while stage i's dX / dS all-to-alls are in flight
-            with record_function(f"ep.bwd.weights[{i}]"), ops.reserve_sms(free.weights, free.weight_gemms):
+            with record_function(f"ep.bwd.weights[{i}]"), ops.reserve_sms(free.weights):
                 dws = _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, wgrad, dws, S)
     pend_back.wait()
     dw1, dw2 = _in_weight_dtype(dws, w1, w2)

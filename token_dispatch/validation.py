@@ -269,7 +269,7 @@ def check_comm_sms(comm_sms, caller: str) -> None:
         raise ValueError(f"{caller}: comm_sms must be an int >= 0, got {comm_sms!r}")
 
 
-SM_RESERVATIONS = ("auto", "all", "first")  # ep_forward's sm_reservation policies (layer._free_sms)
+SM_RESERVATIONS = ("auto", "all")  # ep_forward's sm_reservation policies (layer._free_sms)
 
 
 def check_sm_reservation(value, caller: str) -> None:

@@ -303,8 +303,17 @@ def backward_weights(
     else:
         dw1_EGD = torch.empty(E, 2 * F, D, dtype=dt, device=dev)
         dw2_EDF = torch.empty(E, D, F, dtype=dt, device=dev)
-    # dW1 first: it holds two thirds of the FLOPs, so an SM reservation for its first GEMM only
-    # (token_dispatch's sm_reservation "first") covers most of a collective beside the call.
+    _gemm(
+        "dw2",
+        F,
+        D,
+        dO_TD.t(),
+        aprime_RF,
+        dw2_EDF,
+        cu_seqlens_k=meta.expert_offsets,
+        A_idx=meta.x_gather_idx,
+        add_to_output=add,
+    )
     # out (L, M=D, N=2F) is a transposed view of dw1_EGD; "out" in concat_layout writes the interleaved
     # gate/up columns of dH back as [gate ; up] rows.
     _gemm(
@@ -317,17 +326,6 @@ def backward_weights(
         cu_seqlens_k=meta.expert_offsets,
         A_idx=meta.x_gather_idx,
         concat_layout=("out",),
-        add_to_output=add,
-    )
-    _gemm(
-        "dw2",
-        F,
-        D,
-        dO_TD.t(),
-        aprime_RF,
-        dw2_EDF,
-        cu_seqlens_k=meta.expert_offsets,
-        A_idx=meta.x_gather_idx,
         add_to_output=add,
     )
     return dw1_EGD, dw2_EDF

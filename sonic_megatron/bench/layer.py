@@ -85,8 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="comma-separated policies for the Ni schedules (ep_forward_backward's sm_reservation): auto = only "
         "the first GEMM of each forward / backward-data call leaves comm_sms SMs free, all = every GEMM beside a "
-        "collective, first = as auto and the weight-gradient call's first GEMM (dW1) only; several are timed in "
-        "the same rounds (default auto)",
+        "collective; several are timed in the same rounds (default auto)",
     )
     parser.add_argument("--backend", default="auto", help="kernels backend for ours: auto|torch|cute (default auto)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the Megatron baseline")
