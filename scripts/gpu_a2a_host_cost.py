@@ -5,9 +5,10 @@ monkeypatching perf_counter timers around them (no CUDA events, no profiler; the
     torchrun --nproc_per_node 4 scripts/gpu_a2a_host_cost.py --out $OUT [--rounds 40]
 
 Variants, timed in the same rounds (each round runs every variant once, from an idle device after a barrier):
-  * ``on``        -- the layer as it is (``dist.all_to_all_single``);
-  * ``on direct`` -- each all-to-all issued through the process group's own method (skips torch.distributed's
-                     Python wrapper: argument checks, torch-function dispatch, logging decorator);
+  * ``on``         -- the layer as it is (each all-to-all through the process group's own method, comm.py);
+  * ``on wrapper`` -- each all-to-all through ``dist.all_to_all_single`` (torch.distributed's Python wrapper:
+                      torch-function dispatch, argument checks, exception logging; the layer's way until
+                      session 11);
   * ``no a2a``    -- the layer's row / pair all-to-alls skipped (bench layer's reference; the plan's stay).
 Per variant: median over rounds of the step's host time (until the call returns) and wall time (max over
 ranks), and per rank the median host time spent per step inside the layer's all-to-all launches, inside
@@ -36,7 +37,7 @@ from sonic_megatron.kernels import TopKRouting
 from sonic_megatron.bench.layer import _no_layer_a2a
 
 ACC: dict | None = None  # name -> [seconds, calls] while a step is recorded
-DIRECT = [False]  # issue the all-to-alls through the process group's method
+WRAPPER = [False]  # issue the all-to-alls through dist.all_to_all_single
 
 
 def _timed(owner, attr: str, name: str) -> None:
@@ -56,17 +57,14 @@ def _timed(owner, attr: str, name: str) -> None:
     setattr(owner, attr, wrapped)
 
 
-def _direct_all_to_all(out, inp, out_splits, in_splits, group, async_op=False):
-    """comm.all_to_all through the process group's method (torch 2.11 may name it alltoall_base)."""
-    opts = dist.AllToAllOptions()
-    opts.asyncOp = async_op
-    method = getattr(group, "all_to_all_single", None) or group.alltoall_base
-    return method(out, inp, list(out_splits), list(in_splits), opts)
+def _wrapper_all_to_all(out, inp, out_splits, in_splits, group, async_op=False):
+    """comm.all_to_all as it was until session 11: through torch.distributed's Python wrapper."""
+    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
 
 
 def _switchable(original):
     def a2a(*a, **k):
-        return (_direct_all_to_all if DIRECT[0] else original)(*a, **k)
+        return (_wrapper_all_to_all if WRAPPER[0] else original)(*a, **k)
 
     return a2a
 
@@ -102,7 +100,7 @@ def main() -> int:
     w2 = (torch.randn(L, D, F, generator=g) / F**0.5).to(device, dtype)
     grad = torch.randn(T, D, generator=g).to(device, dtype)
 
-    # The original comm.all_to_all behind both imports, switchable to the direct issue.
+    # comm.all_to_all behind both imports, switchable to the wrapper.
     a2a = _switchable(comm_mod.all_to_all)
     ex_mod.all_to_all = a2a
     plan_mod.all_to_all = a2a
@@ -121,9 +119,9 @@ def main() -> int:
         if cuda:
             torch.cuda.synchronize()
 
-    variants = {"on": (False, False), "on direct": (True, False), "no a2a": (False, True)}
-    for direct, skip in variants.values():  # warm-up
-        DIRECT[0] = direct
+    variants = {"on": (False, False), "on wrapper": (True, False), "no a2a": (False, True)}
+    for wrapper, skip in variants.values():  # warm-up
+        WRAPPER[0] = wrapper
         with _no_layer_a2a() if skip else contextlib.nullcontext():
             for _ in range(5):
                 step()
@@ -131,8 +129,8 @@ def main() -> int:
     times = torch.zeros(len(variants), args.rounds, 2, dtype=torch.float64)
     inner: dict = {v: [] for v in variants}
     for r in range(args.rounds):
-        for v, (name, (direct, skip)) in enumerate(variants.items()):
-            DIRECT[0] = direct
+        for v, (name, (wrapper, skip)) in enumerate(variants.items()):
+            WRAPPER[0] = wrapper
             with _no_layer_a2a() if skip else contextlib.nullcontext():
                 sync()
                 dist.barrier()
