@@ -9,6 +9,9 @@ Variants, timed in the same rounds (each round runs every variant once, from an 
   * ``on wrapper`` -- each all-to-all through ``dist.all_to_all_single`` (torch.distributed's Python wrapper:
                       torch-function dispatch, argument checks, exception logging; the layer's way until
                       session 11);
+  * ``on old order`` -- the previous micro-batch's dO all-to-all launched before this micro-batch's plan (the
+                      order until session 11; now it goes out inside the plan, between the counts all-gather
+                      and the host's wait for it: ``make_plan(before_sync=...)``);
   * ``no a2a``    -- the layer's row / pair all-to-alls skipped (bench layer's reference; the plan's stay).
 Per variant: median over rounds of the step's host time (until the call returns) and wall time (max over
 ranks), and per rank the median host time spent per step inside the layer's all-to-all launches, inside
@@ -38,6 +41,7 @@ from sonic_megatron.bench.layer import _no_layer_a2a
 
 ACC: dict | None = None  # name -> [seconds, calls] while a step is recorded
 WRAPPER = [False]  # issue the all-to-alls through dist.all_to_all_single
+OLD_ORDER = [False]  # launch the previous micro-batch's dO all-to-all before the plan
 
 
 def _timed(owner, attr: str, name: str) -> None:
@@ -60,6 +64,16 @@ def _timed(owner, attr: str, name: str) -> None:
 def _wrapper_all_to_all(out, inp, out_splits, in_splits, group, async_op=False):
     """comm.all_to_all as it was until session 11: through torch.distributed's Python wrapper."""
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
+
+
+def _orderable(make_plan):
+    def plan(*a, before_sync=None, **k):
+        if OLD_ORDER[0] and before_sync is not None:
+            before_sync()
+            before_sync = None
+        return make_plan(*a, before_sync=before_sync, **k)
+
+    return plan
 
 
 def _switchable(original):
@@ -104,6 +118,7 @@ def main() -> int:
     a2a = _switchable(comm_mod.all_to_all)
     ex_mod.all_to_all = a2a
     plan_mod.all_to_all = a2a
+    inter_mod.make_plan = _orderable(inter_mod.make_plan)
     _timed(ex_mod, "all_to_all", "layer a2a launch")
     _timed(plan_mod, "all_to_all", "plan pair a2a launch")
     _timed(plan_mod, "all_gather", "plan counts all-gather + sync")
@@ -119,9 +134,14 @@ def main() -> int:
         if cuda:
             torch.cuda.synchronize()
 
-    variants = {"on": (False, False), "on wrapper": (True, False), "no a2a": (False, True)}
-    for wrapper, skip in variants.values():  # warm-up
-        WRAPPER[0] = wrapper
+    variants = {
+        "on": (False, False, False),
+        "on wrapper": (True, False, False),
+        "on old order": (False, True, False),
+        "no a2a": (False, False, True),
+    }
+    for wrapper, old, skip in variants.values():  # warm-up
+        WRAPPER[0], OLD_ORDER[0] = wrapper, old
         with _no_layer_a2a() if skip else contextlib.nullcontext():
             for _ in range(5):
                 step()
@@ -129,8 +149,8 @@ def main() -> int:
     times = torch.zeros(len(variants), args.rounds, 2, dtype=torch.float64)
     inner: dict = {v: [] for v in variants}
     for r in range(args.rounds):
-        for v, (name, (wrapper, skip)) in enumerate(variants.items()):
-            WRAPPER[0] = wrapper
+        for v, (name, (wrapper, old, skip)) in enumerate(variants.items()):
+            WRAPPER[0], OLD_ORDER[0] = wrapper, old
             with _no_layer_a2a() if skip else contextlib.nullcontext():
                 sync()
                 dist.barrier()

@@ -87,7 +87,7 @@ def test_interleaved_equals_autograd_bitwise(P, kind, opts):
 
 
 def test_launch_order(monkeypatch):
-    """ep_forward_backward's order (one process): A's dO rows go out before B's plan; B's dispatch before A's
+    """ep_forward_backward's order (one process): A's dO rows go out inside B's plan; B's dispatch before A's
     backward-data GEMMs; A's dX / dS before B's experts; B's combine before A's weight gradients; and nothing
     waits for a collective between its launch and the other micro-batch's kernels that should hide it."""
     from sonic_megatron.kernels import torch_backend
@@ -115,8 +115,8 @@ def test_launch_order(monkeypatch):
     ep_forward_backward(fwd_a, a["grad"], x, build_routing(b, logits_b, 0, T), w1, w2, **kw)
     events = [e for e in log if e != "wait"]
     assert events == [
+        "plan",  # B: plan (its counts all-gather; the host copy follows A's dO launch: test_plan_before_sync)
         "rows_out",  # A: dO
-        "plan",  # B: plan
         "rows_out",  # B: dispatch
         "backward_data",  # A
         "rows_back",  # A: dX
@@ -126,9 +126,57 @@ def test_launch_order(monkeypatch):
         "backward_weights",  # A
     ], log
     i_dispatch_b = [i for i, e in enumerate(log) if e == "rows_out"][1]
-    assert "wait" not in log[:i_dispatch_b], log  # A's dO and B's plan: nothing waited for before B's rows go
+    assert "wait" not in log[:i_dispatch_b], log  # B's plan and A's dO: nothing waited for before B's rows go
     i_combine_b = [i for i, e in enumerate(log) if e == "rows_back"][1]
     assert "wait" not in log[i_combine_b : log.index("backward_weights")], log
+
+
+def test_plan_before_sync_runs_between_the_all_gather_and_the_host_copy(monkeypatch):
+    """make_plan(before_sync=f): f runs once, after the counts all-gather is launched and before the host reads
+    it (the header check follows the copy), also when the input is bad (every rank launches the same)."""
+    from sonic_megatron.token_dispatch import EPInputError, make_plan, plan, validation
+
+    log = []
+    monkeypatch.setattr(plan, "all_gather", lambda *a, o=plan.all_gather: (log.append("all_gather"), o(*a))[1])
+    check = validation.check_headers
+    monkeypatch.setattr(validation, "check_headers", lambda *a: (log.append("host copy read"), check(*a))[1])
+    a, _ = _micro_batches("random", 1)
+    off, T, x, logits, w1, w2 = _leaves(a, 0, 1, torch.float64)
+    routing = build_routing(a, logits, off, T)
+    p = make_plan(routing, num_experts=a["E"], x_TD=x, before_sync=lambda: log.append("before_sync"))
+    assert log == ["all_gather", "before_sync", "host copy read"], log
+    assert torch.equal(p.send_token_idx_S, make_plan(routing, num_experts=a["E"], x_TD=x).send_token_idx_S)
+    log.clear()
+    with pytest.raises(EPInputError, match="num_chunks"):
+        make_plan(routing, num_experts=a["E"], num_chunks=0, before_sync=lambda: log.append("before_sync"))
+    assert log == ["all_gather", "before_sync", "host copy read"], log
+
+
+def _bad_b_worker(rank, P):
+    """B's input is bad on rank 1 only: every rank raises (A's dO all-to-all was already launched inside B's
+    plan on every rank), and the group still works for a valid interleaved step afterwards."""
+    from sonic_megatron.token_dispatch import EPInputError
+
+    a, b = _micro_batches("random", P)
+    kw = dict(group=dist.group.WORLD, num_experts=a["E"], backend="torch")
+    off, T, x, logits, w1, w2 = _leaves(a, rank, P, torch.float64)
+    _, fwd_a = ep_forward(x, build_routing(a, logits, off, T), w1, w2, **kw)
+    off_b, T_b, x_b, logits_b = _leaves(b, rank, P, torch.float64)[:4]
+    bad_x = x_b.float() if rank == 1 else x_b
+    grad_a = a["grad"][off : off + T]
+    try:
+        ep_forward_backward(fwd_a, grad_a, bad_x, build_routing(b, logits_b, off_b, T_b), w1, w2, **kw)
+        msg = None
+    except EPInputError as exc:
+        msg = str(exc)
+    out, _, grads = ep_forward_backward(fwd_a, grad_a, x_b, build_routing(b, logits_b, off_b, T_b), w1, w2, **kw)
+    return msg, bool(torch.isfinite(out).all() and torch.isfinite(grads.dx_TD).all())
+
+
+def test_bad_next_micro_batch_raises_on_every_rank():
+    for rank, (msg, ok) in enumerate(run_distributed(_bad_b_worker, 2, timeout=120)):
+        assert msg is not None and "rank 1" in msg, (rank, msg)
+        assert ok, rank
 
 
 def test_bad_comm_sms_or_sm_reservation():

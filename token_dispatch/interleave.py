@@ -6,8 +6,10 @@ Shape legend: see ``plan.py``. Within one micro-batch the forward's dispatch and
 their own to hide behind (each waits for the other's result); across micro-batches they do. ``ep_forward_backward``
 launches, in this order (every rank the same, so NCCL's one stream per group sees the same sequence):
 
-    A: dO all-to-all (the backward's rows towards the experts)
-    B: plan (its counts all-gather and host copy), dispatch all-to-all, receive metadata
+    A: dO send rows gathered
+    B: plan: its counts all-gather, then
+    A:   dO all-to-all (the backward's rows towards the experts), launched while B's host waits for the gather
+    B:   the host copy of the counts, pair all-to-all; dispatch all-to-all, receive metadata
     A: backward-data GEMMs, dX / dS all-to-alls back          <- while B's rows travel
     B: experts (up, down, gather-sum), combine all-to-all     <- while A's dX / dS travel
     A: weight-gradient GEMMs, dX sum                           <- while B's combine travels
@@ -127,11 +129,19 @@ def _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, o: dict):
     check_comm_sms(o["comm_sms"], caller)
     check_sm_reservation(o["sm_reservation"], caller)
     ops = resolve_backend(o["backend"], x_TD.device)  # before prev's collectives go out
-    bwd = None
+    bwd, launch_prev = None, None
     if prev is not None:  # checked by ep_forward_backward
         bwd = _backward(prev, grad_prev_TD, concurrent=True)  # prev's GEMMs leave prev.comm_sms SMs free
         with torch.no_grad():
-            next(bwd)  # prev's dO rows are in flight while this micro-batch plans
+            next(bwd)  # prev's dO send rows gathered (GPU work queued before this micro-batch's plan)
+
+        def launch_prev():
+            # prev's dO all-to-all, launched inside this plan between its counts all-gather and the host's wait
+            # for it: the launch's host time (~0.1 ms) overlaps that wait instead of adding to the step's start,
+            # where the GPU waits for the host. It queues after the all-gather (small) on NCCL's stream.
+            with torch.no_grad():
+                next(bwd)
+
     # The plan outside no_grad: its scores_R keeps the autograd link to the router (EPGrads.dscores_R's target).
     with record_function("ep.plan"):
         plan = make_plan(
@@ -145,6 +155,7 @@ def _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, o: dict):
             w1_EGD=w1_EGD,
             w2_EDF=w2_EDF,
             activation=o["activation"],
+            before_sync=launch_prev,
         )
     fwd = _forward_steps(
         x_TD.contiguous(),

@@ -47,15 +47,16 @@ def record_function(name: str):
     return contextlib.nullcontext()
 
 
-def _launch_rows(plan: EPPlan, x_TD: torch.Tensor, recv_UD: torch.Tensor, eager: bool) -> list:
+def _launch_rows(plan: EPPlan, x_TD: torch.Tensor, recv_UD: torch.Tensor, eager: bool, gathered=None) -> list:
     """Launch every stage's row all-to-all, stage by stage: NCCL runs one group's collectives in launch order,
     so stage i waits only for stages <= i. Each stage's send rows are gathered just before its launch, so
-    stage 0 leaves early."""
-    send_SD = x_TD.new_empty(plan.num_send_rows, x_TD.shape[1])
+    stage 0 leaves early -- unless ``gathered`` holds them already (``X.gather_send_rows``)."""
+    send_SD = gathered if gathered is not None else x_TD.new_empty(plan.num_send_rows, x_TD.shape[1])
     pend = [Pending(eager) for _ in range(plan.num_stages)]
     for i in range(plan.num_stages):
-        s0, s1 = plan.send_row_range(i)
-        torch.index_select(x_TD, 0, plan.send_token_idx_S[s0:s1], out=send_SD[s0:s1])
+        if gathered is None:
+            s0, s1 = plan.send_row_range(i)
+            torch.index_select(x_TD, 0, plan.send_token_idx_S[s0:s1], out=send_SD[s0:s1])
         X.rows_to_experts(plan, send_SD, X.recv_rows(plan, recv_UD, i), i, pend[i])
     return pend
 
@@ -143,19 +144,24 @@ def _forward_steps(x_TD, w1, w2, plan: EPPlan, ops, activation, *, overlap, free
 
 
 def _backward_steps(grad_TD, saved: _Saved, w1, w2, plan: EPPlan, ops, activation, wgrad, want, scores_like):
-    """The backward as a generator of steps (yields as ``_forward_steps``: after launching the dO all-to-alls,
-    and before the last stage's weight-gradient GEMMs); returns (dx_TD, dscores_R, dw1, dw2).
+    """The backward as a generator of steps (yields as ``_forward_steps``: after gathering the dO (and X) send
+    rows -- ``interleave.py`` launches their all-to-alls inside the next micro-batch's plan -- after launching
+    them, and before the last stage's weight-gradient GEMMs); returns (dx_TD, dscores_R, dw1, dw2).
     ``want``: which of (dx, dscores, weights) are needed; ``scores_like``: (shape, dtype) of plan.scores_R."""
     S, D, eager = plan.num_stages, grad_TD.shape[1], saved.eager
     free = saved.free_sms
     want_dx, want_ds, want_w = want
     grad_TD = grad_TD.contiguous()
+    with record_function("ep.bwd.dispatch_gather"):
+        send_dO = X.gather_send_rows(plan, grad_TD)
+        send_x = X.gather_send_rows(plan, saved.x) if saved.redispatch else None
+    yield  # the send rows are gathered; their all-to-alls may go out later (after another plan's collective)
     dO_recv = grad_TD.new_empty(plan.num_recv_rows, D)
     with record_function("ep.bwd.dispatch_launch"):
-        pend_dO = _launch_rows(plan, grad_TD, dO_recv, eager)
+        pend_dO = _launch_rows(plan, grad_TD, dO_recv, eager, gathered=send_dO)
         if saved.redispatch:
             x_recv = saved.x.new_empty(plan.num_recv_rows, D)
-            pend_x = _launch_rows(plan, saved.x, x_recv, eager)
+            pend_x = _launch_rows(plan, saved.x, x_recv, eager, gathered=send_x)
         else:
             x_recv, pend_x = saved.x, [Pending() for _ in range(S)]
     yield  # the dO (and X) rows are in flight

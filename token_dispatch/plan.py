@@ -20,7 +20,9 @@ Order of ``make_plan`` -- the host sync drains the GPU queue, so as little as po
   2. no rounding: ONE all-gather of [18 + 2 * 16 * P] int64 (header + per-(chunk, destination) row and
      pair counts, sized for up to MAX_CHUNKS = 16 chunks so that every rank sends the same size even when
      their inputs disagree) and ONE host copy of it (split sizes must be host ints for all_to_all_single;
-     the header check rides along).
+     the header check rides along). Between the all-gather's launch and the host copy the caller's
+     ``before_sync`` runs (interleave.py launches the previous micro-batch's dO all-to-all there: its host
+     cost then overlaps the wait for the all-gather).
      rounding: the same all-gather (counts left empty) and host copy come first (so bad input fails before
      rounding), then rounding's one candidate all-gather and two host syncs (the all-ranks duplicate-pair
      flags, a few bytes; ``nonzero``: the rounded pair count), then the send side, the counts all-gather
@@ -34,6 +36,7 @@ Order of ``make_plan`` -- the host sync drains the GPU queue, so as little as po
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -314,6 +317,7 @@ def make_plan(
     w1_EGD: torch.Tensor | None = None,
     w2_EDF: torch.Tensor | None = None,
     activation: str | None = None,
+    before_sync: Callable[[], object] | None = None,
 ) -> EPPlan:
     """Plan one MoE layer call under expert parallelism (see the module docstring for its collectives).
 
@@ -330,6 +334,10 @@ def make_plan(
         x_TD, w1_EGD, w2_EDF, activation: optional; when given, their shapes and dtypes are validated and
             compared across ranks in the same header exchange (recommended: a mismatch then raises on all
             ranks instead of failing or hanging inside an all-to-all).
+        before_sync: called once, after the first all-gather is launched and before the host waits for it,
+            on every rank (also when the inputs are bad, so every rank launches the same collectives): work
+            whose host cost should overlap that wait, e.g. launching another micro-batch's all-to-all. Its
+            collectives queue after the all-gather; it must not wait for the GPU.
     """
     P, rank = group_size(group), group_rank(group)
     T = V.routing_num_tokens(routing)
@@ -386,6 +394,8 @@ def make_plan(
     side = _build_send_side(routing, tok_R, exp_R, scores_R, T, L, P, N) if error is None and rounding is None else None
     # The one host sync of the plan without rounding: header + split sizes (the header check rides along).
     gathered_dev = all_gather(torch.cat([*hdr, *counts_slot(side)]), group)
+    if before_sync is not None:
+        before_sync()
     gathered = gathered_dev.tolist()
     V.check_headers([g[: V.HEADER_LEN] for g in gathered], error, group, num_experts)
     counts_P = [g[V.HEADER_LEN :] for g in gathered]
