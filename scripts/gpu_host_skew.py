@@ -129,7 +129,9 @@ def main() -> int:
         dist.all_gather(rows, mine)
         report["placements"][name] = {
             "step_ms_max_over_ranks": statistics.median(wall.tolist()) * 1e3,
-            "per_rank": [dict(zip(("python_ms", "launch_us", "step_host_ms", "cpus"), r.tolist())) for r in rows],
+            "per_rank": [
+                dict(zip(("python_ms", "launch_us", "step_host_ms", "cpus"), r.tolist(), strict=True)) for r in rows
+            ],
         }
     report["numa_cpus_of_gpu"][rank] = sorted(numa) if numa else None
     os.sched_setaffinity(0, started)
