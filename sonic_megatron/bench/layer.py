@@ -43,8 +43,6 @@ median over rounds of t(all) - t(this policy), same comm_sms.
 chunk count: would-be kernel launches, collectives and host syncs of ``make_plan`` alone, of the forward
 (plan included) and of the backward; the forward's launches between the plan's last host sync and the first
 row all-to-all; and, in brackets, the launches inside the experts backend (not the EP glue). Rank 0's counts.
-``--cpu-bind fast`` pins each rank to its own core, the fastest of the node by a short probe (``bench/cpu_bind.py``):
-the step follows the slowest rank's host, and the lent VMs' vCPUs differ in speed by up to 1.9x.
 ``--profile DIR`` also runs torch.profiler over a few steps per chunk count (overlap on) and writes, per
 rank 0, a table of the ``ep.*`` phase ranges and the top kernels (device and host time) and a Chrome trace.
 Router and token rounding are outside the timed region (both providers get the same top-K routing).
@@ -64,7 +62,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .common import print_table, write_json
-from .cpu_bind import CPU_BIND_MODES, bind_cpu
 from .dispatch import DTYPES, add_common_arguments, random_routing, setup_distributed, timed
 
 
@@ -91,13 +88,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "collective; several are timed in the same rounds (default auto)",
     )
     parser.add_argument("--backend", default="auto", help="kernels backend for ours: auto|torch|cute (default auto)")
-    parser.add_argument(
-        "--cpu-bind",
-        default="none",
-        choices=CPU_BIND_MODES,
-        help="none (default) | fast: pin each rank to its own core, the fastest ones by a short probe "
-        "(bench/cpu_bind.py; one node only): every all-to-all waits for the slowest rank's host",
-    )
     parser.add_argument("--no-baseline", action="store_true", help="skip the Megatron baseline")
     parser.add_argument(
         "--profile", default=None, help="directory for torch.profiler tables/traces of ours (rank 0); off if unset"
@@ -440,9 +430,6 @@ def run(args) -> int:
 
     device, group = setup_distributed(args)
     rank, P = dist.get_rank(), dist.get_world_size()
-    cpu = bind_cpu(args.cpu_bind)
-    cpus = [None] * P
-    dist.all_gather_object(cpus, cpu)
     dtype, D, Fn, E, K, T = DTYPES[args.dtype], args.hidden, args.ffn, args.experts, args.topk, args.tokens
     L = E // P
     x0, probs, scores, indices = random_routing(args, device, rank)
@@ -636,12 +623,6 @@ def run(args) -> int:
         summary["max_rel_diff_ours_vs_megatron"] = float(rel)
     if rank == 0:
         print(f"bench layer: P={P} T={T} d={D} n={Fn} E={E} K={K} {args.dtype} on {device.type}")
-        if cpu is not None:
-            print(
-                f"cpu-bind {args.cpu_bind}: rank -> core (probe ms) "
-                + ", ".join(f"{r}->{c['core']} ({c['probe_ms']:.2f})" for r, c in enumerate(cpus))
-                + f"; node's probe fastest {cpu['fastest_ms']:.2f} ms, slowest {cpu['slowest_ms']:.2f} ms"
-            )
         cols = ["provider", "chunks", "comm_sms", "overlap", "ms", "host_ms", "tokens_per_s", "a2a_alone_ms"]
         cols[3:3] = ["sm_reservation"] if any("sm_reservation" in r for r in results) else []
         cols += ["vs_all_ms"] if any("vs_all_ms" in r for r in results) else []
@@ -657,7 +638,6 @@ def run(args) -> int:
                 "config": dict(
                     P=P, T=T, d=D, n=Fn, E=E, K=K, dtype=args.dtype, device=device.type, backend=args.backend
                 ),
-                "cpu_bind": dict(mode=args.cpu_bind, per_rank=cpus),
                 "timing": f"interleaved: {args.iters} rounds, every variant of a schedule once per round, "
                 "medians; exposed and overlap gain are medians of per-round differences",
                 "rows": results,
