@@ -8,7 +8,7 @@ launches, in this order (every rank the same, so NCCL's one stream per group see
 
     A: dO send rows gathered
     B: plan: its counts all-gather, then
-    A:   dO all-to-all (the backward's rows towards the experts), launched while B's host waits for the gather
+    A:   dO all-to-all (the backward's rows towards the experts), launched before B's host waits for that gather
     B:   the host copy of the counts, pair all-to-all; dispatch all-to-all, receive metadata
     A: backward-data GEMMs, dX / dS all-to-alls back          <- while B's rows travel
     B: experts (up, down, gather-sum), combine all-to-all     <- while A's dX / dS travel
