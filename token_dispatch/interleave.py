@@ -88,6 +88,7 @@ def _backward(fwd: EPForward, grad_TD: torch.Tensor, concurrent: bool):
         None,
         (True, True, True),
         (scores.shape, scores.dtype),
+        gather_first=concurrent,  # interleaved: the dO all-to-all goes out inside the next micro-batch's plan
     )
 
 

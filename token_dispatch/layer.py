@@ -143,19 +143,25 @@ def _forward_steps(x_TD, w1, w2, plan: EPPlan, ops, activation, *, overlap, free
     return out_TD, _Saved(x_TD if redispatch else x_recv, s_recv, hs, free_sms, eager, redispatch)
 
 
-def _backward_steps(grad_TD, saved: _Saved, w1, w2, plan: EPPlan, ops, activation, wgrad, want, scores_like):
-    """The backward as a generator of steps (yields as ``_forward_steps``: after gathering the dO (and X) send
-    rows -- ``interleave.py`` launches their all-to-alls inside the next micro-batch's plan -- after launching
-    them, and before the last stage's weight-gradient GEMMs); returns (dx_TD, dscores_R, dw1, dw2).
-    ``want``: which of (dx, dscores, weights) are needed; ``scores_like``: (shape, dtype) of plan.scores_R."""
+def _backward_steps(
+    grad_TD, saved: _Saved, w1, w2, plan: EPPlan, ops, activation, wgrad, want, scores_like, gather_first=False
+):
+    """The backward as a generator of steps (yields as ``_forward_steps``: after launching the dO all-to-alls,
+    and before the last stage's weight-gradient GEMMs); returns (dx_TD, dscores_R, dw1, dw2).
+    ``want``: which of (dx, dscores, weights) are needed; ``scores_like``: (shape, dtype) of plan.scores_R.
+    ``gather_first``: gather every stage's dO (and X) send rows in a step of their own before the launches
+    (``interleave.py`` launches them inside the next micro-batch's plan); otherwise each stage's rows are gathered
+    right before its launch, so stage 0 leaves early."""
     S, D, eager = plan.num_stages, grad_TD.shape[1], saved.eager
     free = saved.free_sms
     want_dx, want_ds, want_w = want
     grad_TD = grad_TD.contiguous()
-    with record_function("ep.bwd.dispatch_gather"):
-        send_dO = X.gather_send_rows(plan, grad_TD)
-        send_x = X.gather_send_rows(plan, saved.x) if saved.redispatch else None
-    yield  # the send rows are gathered; their all-to-alls may go out later (after another plan's collective)
+    send_dO = send_x = None
+    if gather_first:
+        with record_function("ep.bwd.dispatch_gather"):
+            send_dO = X.gather_send_rows(plan, grad_TD)
+            send_x = X.gather_send_rows(plan, saved.x) if saved.redispatch else None
+        yield  # the send rows are gathered; their all-to-alls go out in the next step
     dO_recv = grad_TD.new_empty(plan.num_recv_rows, D)
     with record_function("ep.bwd.dispatch_launch"):
         pend_dO = _launch_rows(plan, grad_TD, dO_recv, eager, gathered=send_dO)
