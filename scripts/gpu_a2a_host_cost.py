@@ -35,7 +35,7 @@ import sonic_megatron.token_dispatch.interleave as inter_mod
 import sonic_megatron.token_dispatch.plan as plan_mod
 import torch
 import torch.distributed as dist
-from sonic_megatron.kernels import TopKRouting
+from ep_step import ISSUE4, TINY, interleaved_step
 
 from sonic_megatron.bench.layer import _no_layer_a2a
 
@@ -101,19 +101,6 @@ def main() -> int:
     else:  # the script's own check: gloo, torch backend
         dist.init_process_group("gloo")
     rank, P = dist.get_rank(), dist.get_world_size()
-    T, D, F, E, K = args.tokens, 1536, 256, 128, 8
-    if not cuda:
-        T, D, F, E, K = 256, 64, 32, 8, 2
-    dtype = torch.bfloat16 if cuda else torch.float32
-    L = E // P
-    g = torch.Generator(device="cpu").manual_seed(7 + rank)
-    scores, indices = torch.randn(T, E, generator=g).softmax(-1).topk(K, dim=-1)
-    routing = TopKRouting(scores.to(device), indices.to(device))
-    x = torch.randn(T, D, generator=g).to(device, dtype)
-    w1 = (torch.randn(L, 2 * F, D, generator=g) / D**0.5).to(device, dtype)
-    w2 = (torch.randn(L, D, F, generator=g) / F**0.5).to(device, dtype)
-    grad = torch.randn(T, D, generator=g).to(device, dtype)
-
     # comm.all_to_all behind both imports, switchable to the wrapper.
     a2a = _switchable(comm_mod.all_to_all)
     ex_mod.all_to_all = a2a
@@ -124,11 +111,9 @@ def main() -> int:
     _timed(plan_mod, "all_gather", "plan counts all-gather + sync")
     _timed(comm_mod.Pending, "wait", "Pending.wait")
 
-    kw = dict(group=dist.group.WORLD, num_experts=E, comm_sms=args.comm_sms)
-    state = [inter_mod.ep_forward(x, routing, w1, w2, **kw)[1]]
-
-    def step():
-        state[0] = inter_mod.ep_forward_backward(state[0], grad, x, routing, w1, w2, **kw)[1]
+    sizes = (args.tokens, *ISSUE4[1:]) if cuda else TINY
+    step = interleaved_step(device, args.comm_sms, sizes, torch.bfloat16 if cuda else torch.float32)
+    T = sizes[0]
 
     def sync():
         if cuda:

@@ -25,10 +25,9 @@ import statistics
 import subprocess
 import time
 
-import sonic_megatron.token_dispatch.interleave as inter_mod
 import torch
 import torch.distributed as dist
-from sonic_megatron.kernels import TopKRouting
+from ep_step import interleaved_step
 
 
 def _numa_cpus(gpu: int) -> set[int] | None:
@@ -78,20 +77,7 @@ def main() -> int:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     rank, P = dist.get_rank(), dist.get_world_size()
-    T, D, F, E, K = 16384, 1536, 256, 128, 8
-    L = E // P
-    g = torch.Generator(device="cpu").manual_seed(7 + rank)
-    scores, indices = torch.randn(T, E, generator=g).softmax(-1).topk(K, dim=-1)
-    routing = TopKRouting(scores.to(device), indices.to(device))
-    x = torch.randn(T, D, generator=g).to(device, torch.bfloat16)
-    w1 = (torch.randn(L, 2 * F, D, generator=g) / D**0.5).to(device, torch.bfloat16)
-    w2 = (torch.randn(L, D, F, generator=g) / F**0.5).to(device, torch.bfloat16)
-    grad = torch.randn(T, D, generator=g).to(device, torch.bfloat16)
-    kw = dict(group=dist.group.WORLD, num_experts=E, comm_sms=32)
-    state = [inter_mod.ep_forward(x, routing, w1, w2, **kw)[1]]
-
-    def step():
-        state[0] = inter_mod.ep_forward_backward(state[0], grad, x, routing, w1, w2, **kw)[1]
+    step = interleaved_step(device, comm_sms=32)
 
     started = os.sched_getaffinity(0)
     numa = _numa_cpus(local)

@@ -1,0 +1,37 @@
+"""The interleaved EP step of the issue-4 size for the device scripts (``gpu_a2a_host_cost.py``,
+``gpu_host_skew.py``): this rank's random top-K routing, tokens, local experts and output gradient, and a
+callable that runs one ``ep_forward_backward`` (schedule 1i) on them. Imported as a sibling module: torchrun
+puts ``scripts/`` on ``sys.path``."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from sonic_megatron.kernels import TopKRouting
+from sonic_megatron.token_dispatch import interleave
+
+ISSUE4 = (16384, 1536, 256, 128, 8)  # per-rank (T, D, F, E, K)
+TINY = (256, 64, 32, 8, 2)  # for the scripts' own CPU / gloo check
+
+
+def interleaved_step(device: torch.device, comm_sms: int, sizes=ISSUE4, dtype=torch.bfloat16):
+    """One call = the forward of a micro-batch with the backward of the previous one, same tokens every call
+    (the first micro-batch's forward runs here). Module attributes are looked up at call time, so monkeypatches
+    of ``interleave`` made before this call apply."""
+    rank, P = dist.get_rank(), dist.get_world_size()
+    T, D, F, E, K = sizes
+    L = E // P
+    g = torch.Generator(device="cpu").manual_seed(7 + rank)
+    scores, indices = torch.randn(T, E, generator=g).softmax(-1).topk(K, dim=-1)
+    routing = TopKRouting(scores.to(device), indices.to(device))
+    x = torch.randn(T, D, generator=g).to(device, dtype)
+    w1 = (torch.randn(L, 2 * F, D, generator=g) / D**0.5).to(device, dtype)
+    w2 = (torch.randn(L, D, F, generator=g) / F**0.5).to(device, dtype)
+    grad = torch.randn(T, D, generator=g).to(device, dtype)
+    kw = dict(group=dist.group.WORLD, num_experts=E, comm_sms=comm_sms)
+    state = [interleave.ep_forward(x, routing, w1, w2, **kw)[1]]
+
+    def step():
+        state[0] = interleave.ep_forward_backward(state[0], grad, x, routing, w1, w2, **kw)[1]
+
+    return step
