@@ -36,14 +36,7 @@ import torch
 
 from ..kernels.interface import resolve_backend
 from ..kernels.routing import FlatRouting, TopKRouting
-from .layer import (
-    _backward_steps,
-    _forward_steps,
-    _free_sms,
-    _Saved,
-    record_function,
-    run_steps,
-)
+from .layer import _backward_steps, _forward_steps, _free_sms, _Saved, record_function, run_steps
 from .plan import EPPlan, make_plan
 from .rounding import TokenRounding
 from .validation import check_comm_sms, check_sm_reservation
