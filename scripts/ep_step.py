@@ -17,7 +17,7 @@ TINY = (256, 64, 32, 8, 2)  # for the scripts' own CPU / gloo check
 def interleaved_step(device: torch.device, comm_sms: int, sizes=ISSUE4, dtype=torch.bfloat16):
     """One call = the forward of a micro-batch with the backward of the previous one, same tokens every call
     (the first micro-batch's forward runs here). Module attributes are looked up at call time, so monkeypatches
-    of ``interleave`` made before this call apply."""
+    of ``interleave`` made before this call apply. ``step.inputs``: (x, routing, group, E)."""
     rank, P = dist.get_rank(), dist.get_world_size()
     T, D, F, E, K = sizes
     L = E // P
@@ -34,4 +34,5 @@ def interleaved_step(device: torch.device, comm_sms: int, sizes=ISSUE4, dtype=to
     def step():
         state[0] = interleave.ep_forward_backward(state[0], grad, x, routing, w1, w2, **kw)[1]
 
+    step.inputs = (x, routing, kw["group"], E)
     return step

@@ -183,6 +183,38 @@ def test_reserve_sms_same_bits_fewer_clusters():
         pass
 
 
+def test_cached_quack_launches_give_the_same_bits():
+    """``ops.LAUNCHES`` (kernels/launch_cache.py): after a signature's first call the backend launches QuACK's
+    compiled kernels directly. Output and every gradient equal QuACK's own path bitwise, at the recorded size and
+    at other sizes (same signature), all six GEMMs of a forward + backward take the cached launch, and its grid
+    follows the SM reservation as QuACK's does."""
+    _require_cute()
+    from quack import cute_dsl_utils
+    from quack.tile_scheduler import TileSchedulerOptions
+    from sonic_megatron.kernels.cute import ops
+
+    for T, kind in ((4096, "hot"), (1000, "uniform"), (3001, "single")):
+        args = _case(T, 512, 256, 32, 4, kind=kind, seed=5)
+        ops.LAUNCHES.enabled = False
+        try:
+            want = _run("cute", *args)
+        finally:
+            ops.LAUNCHES.enabled = True
+        _run("cute", *args)  # records any signature not seen yet
+        before = ops.LAUNCHES.stats["fast"]
+        got = _run("cute", *args)
+        assert ops.LAUNCHES.stats["fast"] - before == 6, T
+        for name in want:
+            assert torch.equal(want[name], got[name]), (T, name)
+    torch.zeros(1, device="cuda")
+    full = cute_dsl_utils.get_max_active_clusters(2)
+    recorded = TileSchedulerOptions(max_active_clusters=ops._int32(1))
+    assert ops._scheduler_now(recorded, 2).max_active_clusters.value == full
+    with ops.reserve_sms(16, gemms=1):
+        assert ops._scheduler_now(recorded, 2).max_active_clusters.value == full - 8
+        assert ops._scheduler_now(recorded, 2).max_active_clusters.value == full
+
+
 def test_triton_metadata_matches_torch_on_gpu():
     _require_cute()
     from sonic_megatron.kernels.routing import TopKRouting, compute_metadata_torch, flatten_routing

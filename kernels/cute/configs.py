@@ -20,6 +20,7 @@ Gathered operands need cluster_n = 1 (QuACK's requirement with A_idx) and gated 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -57,8 +58,8 @@ def parse_tile(spec: str) -> GemmConfig:
     return _config(kind, int(tm), int(tn), int(cm or 2), int(cn or 1))
 
 
-def _overrides() -> dict[str, GemmConfig]:
-    value = os.environ.get("SONIC_MEGATRON_CUTE_TILES", "").strip()
+def _overrides(value: str) -> dict[str, GemmConfig]:
+    value = value.strip()
     out = {}
     for item in filter(None, (v.strip() for v in value.split(","))):
         gemm, _, spec = item.partition("=")
@@ -69,11 +70,17 @@ def _overrides() -> dict[str, GemmConfig]:
 
 
 def heuristic_config(gemm: str, F: int, D: int) -> GemmConfig:
+    """``_heuristic_config`` under the current ``SONIC_MEGATRON_CUTE_TILES`` (memoized: called at every launch)."""
+    return _heuristic_config(gemm, F, D, os.environ.get("SONIC_MEGATRON_CUTE_TILES", ""))
+
+
+@functools.cache
+def _heuristic_config(gemm: str, F: int, D: int, tiles_env: str) -> GemmConfig:
     """The tile config of GEMM ``gemm`` (one of GEMMS) at expert size F (n) and hidden size D (d).
 
     Each rule cites the measured cost relative to the best config at the three measured shapes
     (D, F) = (1536, 256), (2048, 1024), (4096, 1024) (docs/perf/quack-tiles-h100-2026-11-21.txt)."""
-    override = _overrides().get(gemm)
+    override = _overrides(tiles_env).get(gemm)
     if override is not None:
         return override
     if gemm == "up":  # N = 2F, gathered X, SwiGLU epilogue: C128x256 best at all three

@@ -22,16 +22,22 @@ expert_offsets on the device).
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from cutlass import Int32
 from quack import gemm_interface as qgemm
+from quack.gemm_dact import gemm_dact
+from quack.tile_scheduler import TileSchedulerOptions
 
 from ..activations import GATED_ACTIVATIONS
+from ..launch_cache import LaunchCache
 from ..routing import RoutingMetadata
 from ..torch_backend import check_weight_grad_out
 from ..triton import compute_metadata_topk_triton, compute_metadata_triton, gather_sum
 from .configs import heuristic_config, policy
+from .sm_budget import clusters_now, reserve_sms
 from .sm_budget import install as _install_sm_budget
-from .sm_budget import reserve_sms
 
 _install_sm_budget()  # QuACK GEMMs honour ``reserve_sms`` (leave SMs to a concurrent collective)
 
@@ -85,6 +91,32 @@ def _check_rows(meta: RoutingMetadata) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _scheduler_now(recorded, cluster_size: int):
+    """QuACK's scheduler options of a cached launch with the grid size of this launch (SM reservation)."""
+    return TileSchedulerOptions(_int32(clusters_now(cluster_size)), *recorded[1:])
+
+
+@functools.cache
+def _int32(n: int):
+    return Int32(n)
+
+
+# QuACK launches under the heuristic policy go through this cache (kernels/launch_cache.py): ~13 us of host time
+# per GEMM instead of ~76 (H100). LAUNCHES.enabled = False: QuACK's own path every call (A/B benchmarks).
+LAUNCHES = LaunchCache(
+    (
+        ("quack.gemm", "_compile_gemm"),
+        ("quack.gemm_act", "_compile_gemm_act"),
+        ("quack.gemm_dact", "_compile_gemm_dact"),
+    ),
+    per_call={TileSchedulerOptions: _scheduler_now},
+)
+
+
+def _clusters(config) -> int:
+    return config.cluster_m * config.cluster_n * getattr(config, "cluster_k", 1)
+
+
 def _gemm(
     gemm: str,
     F: int,
@@ -103,18 +135,24 @@ def _gemm(
     added once by the one tile that owns it, so the result is deterministic; not with varlen-M)."""
     pol = policy()
     if pol == "heuristic":
-        qgemm.gemm_tuned.fn(
-            A,
-            B,
-            out,
-            cu_seqlens_m=cu_seqlens_m,
-            cu_seqlens_k=cu_seqlens_k,
-            A_idx=A_idx,
-            add_to_output=add_to_output,
-            dynamic_scheduler=False,
-            config=heuristic_config(gemm, F, D),
-            concat_layout=concat_layout,
-        )
+        config = heuristic_config(gemm, F, D)
+
+        def quack_path():
+            qgemm.gemm_tuned.fn(
+                A,
+                B,
+                out,
+                cu_seqlens_m=cu_seqlens_m,
+                cu_seqlens_k=cu_seqlens_k,
+                A_idx=A_idx,
+                add_to_output=add_to_output,
+                dynamic_scheduler=False,
+                config=config,
+                concat_layout=concat_layout,
+            )
+
+        site = ("gemm", id(config), concat_layout, add_to_output)  # configs are memoized: id() is stable
+        LAUNCHES.launch(site, (A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx), quack_path, ctx=_clusters(config))
     else:
         (qgemm.gemm_add_inplace if add_to_output else qgemm.gemm)(
             A,
@@ -132,18 +170,24 @@ def _gemm(
 def _gemm_gated(F: int, A, B, preact_out, postact_out, activation, cu_seqlens_m, A_idx):
     pol = policy()
     if pol == "heuristic":
-        qgemm.gemm_gated_tuned.fn(
-            A,
-            B,
-            preact_out,
-            postact_out,
-            activation=activation,
-            cu_seqlens_m=cu_seqlens_m,
-            A_idx=A_idx,
-            dynamic_scheduler=False,
-            config=heuristic_config("up", F, A.shape[1]),
-            concat_layout=("B",),
-        )
+        config = heuristic_config("up", F, A.shape[1])
+
+        def quack_path():
+            qgemm.gemm_gated_tuned.fn(
+                A,
+                B,
+                preact_out,
+                postact_out,
+                activation=activation,
+                cu_seqlens_m=cu_seqlens_m,
+                A_idx=A_idx,
+                dynamic_scheduler=False,
+                config=config,
+                concat_layout=("B",),
+            )
+
+        inputs = (A, B, preact_out, postact_out, cu_seqlens_m, A_idx)
+        LAUNCHES.launch(("gated", id(config), activation), inputs, quack_path, ctx=_clusters(config))
     else:
         qgemm.gemm_gated(
             A,
@@ -161,22 +205,43 @@ def _gemm_gated(F: int, A, B, preact_out, postact_out, activation, cu_seqlens_m,
 
 
 def _gemm_dgated(F: int, A, B, preact, dx_out, postact_out, colvec_scale, activation, cu_seqlens_m, A_idx):
+    """dH GEMM; returns dS per row (fp32). Varlen-M with gathered A only (as ``backward_data`` calls it)."""
     pol = policy()
     if pol == "heuristic":
-        return qgemm.gemm_dgated_tuned.fn(
-            A,
-            B,
-            preact,
-            dx_out,
-            postact_out,
-            colvec_scale=colvec_scale,
-            activation=activation,
-            colvec_reduce=True,
-            cu_seqlens_m=cu_seqlens_m,
-            A_idx=A_idx,
-            dynamic_scheduler=False,
-            config=heuristic_config("dh", F, A.shape[1]),
-        )
+        config = heuristic_config("dh", F, A.shape[1])
+        # The colvec reduction's per-(row, N tile) partials, which QuACK's gemm_dgated_tuned would allocate
+        # itself: allocated here, so that the launch reads only our tensors (cacheable), and summed below as
+        # gemm_dgated_tuned sums them.
+        partial = torch.empty(A_idx.shape[0], -(-F // config.tile_n), dtype=torch.float32, device=A.device)
+
+        def quack_path():
+            gemm_dact(
+                A,
+                B.mT,
+                dx_out,
+                preact,
+                postact_out,
+                None,
+                activation,
+                config.tile_m,
+                config.tile_n,
+                config.cluster_m,
+                config.cluster_n,
+                tile_K=config.tile_k,
+                pingpong=config.pingpong,
+                persistent=True,
+                is_dynamic_persistent=False,
+                max_swizzle_size=config.max_swizzle_size,
+                colvec_scale=colvec_scale,
+                colvec_reduce=partial,
+                cu_seqlens_m=cu_seqlens_m,
+                A_idx=A_idx,
+                use_tma_gather=config.use_tma_gather,
+            )
+
+        inputs = (A, B, dx_out, preact, postact_out, colvec_scale, partial, cu_seqlens_m, A_idx)
+        LAUNCHES.launch(("dgated", id(config), activation), inputs, quack_path, ctx=config.cluster_m * config.cluster_n)
+        return partial.sum(dim=-1)
     return qgemm.gemm_dgated(
         A,
         B,
@@ -268,8 +333,7 @@ def backward_data(
         meta.expert_offsets,
         meta.x_gather_idx,
     )
-    dscores_R = torch.empty(R, dtype=torch.float32, device=dev)
-    dscores_R.index_copy_(0, meta.s_scatter_idx.long(), ds_rows_R)
+    dscores_R = ds_rows_R.index_select(0, meta.s_reverse_scatter_idx)  # rows -> flat pair order (int32 index)
     dxg_RD = torch.empty(R, D, dtype=dt, device=dev)
     _gemm("dx", F, D, dH_RG, w1_EGD, dxg_RD, cu_seqlens_m=meta.expert_offsets, concat_layout=("B",))
     dx_TD = gather_sum(dxg_RD, meta, None, pairs_per_token=_pairs_per_token(meta))

@@ -21,17 +21,17 @@ from __future__ import annotations
 
 import importlib
 
+from quack import cute_dsl_utils
+
 from ..sm_reservation import budgeted_clusters, reserve_sms, reserved_sms, take_reservation
 
-__all__ = ["install", "reserve_sms", "reserved_sms"]
+__all__ = ["clusters_now", "install", "reserve_sms", "reserved_sms"]
 
 _PATCHED_MODULES = ("quack.gemm", "quack.gemm_act", "quack.gemm_dact")
 
 
 def install() -> None:
     """Route the three QuACK GEMM modules' cluster count through the reservation (idempotent)."""
-    from quack import cute_dsl_utils
-
     full = cute_dsl_utils.get_max_active_clusters
 
     def get_max_active_clusters(cluster_size: int, *args, **kwargs) -> int:
@@ -45,3 +45,9 @@ def install() -> None:
             raise ImportError(f"{name} has no get_max_active_clusters: this QuACK version is not supported")
         if not getattr(current, "sonic_megatron_budget", False):
             module.get_max_active_clusters = get_max_active_clusters
+
+
+def clusters_now(cluster_size: int) -> int:
+    """The grid (clusters) of a persistent GEMM launched now: QuACK's count less the reservation, which this call
+    takes (counts the launch). For launches that bypass QuACK's Python path (``ops.LAUNCHES``)."""
+    return budgeted_clusters(cute_dsl_utils.get_max_active_clusters(cluster_size), cluster_size, take_reservation())

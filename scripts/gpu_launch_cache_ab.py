@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""The interleaved EP step (schedule 1i, issue-4 size) with the cute backend's QuACK launch cache on and off
+(``kernels/cute/ops.py``'s ``LAUNCHES``, kernels/launch_cache.py), timed in the same rounds:
+
+    torchrun --nproc_per_node 4 scripts/gpu_launch_cache_ab.py --out $OUT [--rounds 40] [--comm-sms 32]
+
+Variants, each once per round from an idle device after a barrier (``bench layer``'s ``_timed_rounds``):
+the step with its all-to-alls and without them (``no a2a``: the layer's row / pair all-to-alls skipped, bench
+layer's reference), each with the cache on and off, and the step's all-to-alls alone (same plan). Per cache
+setting: wall and host time (median over rounds, max over ranks), and the share of all-to-all time hidden,
+1 - (t_on - t_no_a2a) / t_a2a with the difference paired round by round, as ``bench layer`` computes it.
+Paired cache gain (median over rounds of t(off) - t(on)) for both steps. Results are bitwise equal either way
+(checked here on the step's gradients).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from ep_step import ISSUE4, interleaved_step
+from sonic_megatron.kernels.cute import ops
+from sonic_megatron.token_dispatch import interleave
+from sonic_megatron.token_dispatch.plan import make_plan
+
+from sonic_megatron.bench.layer import _a2a_alone, _median, _no_layer_a2a, _paired, _timed_rounds
+
+
+@contextlib.contextmanager
+def _setting(cache: bool, a2a: bool):
+    ops.LAUNCHES.enabled = cache
+    try:
+        with contextlib.nullcontext() if a2a else _no_layer_a2a():
+            yield
+    finally:
+        ops.LAUNCHES.enabled = True
+
+
+def _grads(x, routing, group, E, comm_sms, cache: bool) -> list[torch.Tensor]:
+    """Output and gradients of two interleaved micro-batches (fresh state), cache on or off."""
+    T, D = x.shape
+    L = E // dist.get_world_size()
+    g = torch.Generator(device="cpu").manual_seed(11)
+    w1 = (torch.randn(L, 512, D, generator=g) / D**0.5).to(x)
+    w2 = (torch.randn(L, D, 256, generator=g) / 256**0.5).to(x)
+    grad = torch.randn(T, D, generator=g).to(x)
+    kw = dict(group=group, num_experts=E, comm_sms=comm_sms)
+    with _setting(cache, True):
+        _, st = interleave.ep_forward(x, routing, w1, w2, **kw)
+        out, st2, gA = interleave.ep_forward_backward(st, grad, x, routing, w1, w2, **kw)
+        gB = interleave.ep_backward(st2, grad)
+    return [out, gA.dx_TD, gA.dscores_R, gA.dw1_EGD, gA.dw2_EDF, gB.dx_TD, gB.dw1_EGD]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="out")
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--comm-sms", type=int, default=32)
+    args = p.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    rank, P = dist.get_rank(), dist.get_world_size()
+    step = interleaved_step(device, args.comm_sms, ISSUE4)
+    x, routing, group, E = step.inputs
+    plan = make_plan(routing, num_experts=E, group=group, x_TD=x)
+    variants = {
+        (a2a, cache): (step, lambda a2a=a2a, cache=cache: _setting(cache, a2a))
+        for a2a in (True, False)
+        for cache in (True, False)
+    }
+    variants["a2a"] = (_a2a_alone(plan, x, device), contextlib.nullcontext)
+    timing = _timed_rounds(variants, device, 5, args.rounds)
+    t_a2a = _median(timing.pop("a2a")[0])
+    same = all(
+        torch.equal(a, b)
+        for a, b in zip(
+            _grads(x, routing, group, E, args.comm_sms, True),
+            _grads(x, routing, group, E, args.comm_sms, False),
+            strict=True,
+        )
+    )
+    flag = torch.tensor([0.0 if same else 1.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    report = {"P": P, "T": ISSUE4[0], "comm_sms": args.comm_sms, "rounds": args.rounds, "a2a_alone_ms": t_a2a * 1e3}
+    report["bitwise_cache_on_vs_off"] = bool(flag.item() == 0.0)
+    for cache in (True, False):
+        on, none = timing[(True, cache)][0], timing[(False, cache)][0]
+        exposed = _paired(on, none)
+        report["cache on" if cache else "cache off"] = {
+            "wall_ms": _median(on) * 1e3,
+            "host_ms": _median(timing[(True, cache)][1]) * 1e3,
+            "no_a2a_wall_ms": _median(none) * 1e3,
+            "no_a2a_host_ms": _median(timing[(False, cache)][1]) * 1e3,
+            "a2a_exposed_ms": exposed * 1e3,
+            "a2a_hidden": max(0.0, min(1.0, 1 - exposed / t_a2a)),
+        }
+    report["cache_gain_ms"] = {
+        "with a2a": _paired(timing[(True, False)][0], timing[(True, True)][0]) * 1e3,
+        "no a2a": _paired(timing[(False, False)][0], timing[(False, True)][0]) * 1e3,
+        "host, with a2a": _paired(timing[(True, False)][1], timing[(True, True)][1]) * 1e3,
+    }
+    if rank == 0:
+        print(json.dumps(report, indent=1))
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"launch_cache_ab_ep{P}.json"), "w") as f:
+            json.dump(report, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
