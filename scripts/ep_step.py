@@ -14,10 +14,12 @@ ISSUE4 = (16384, 1536, 256, 128, 8)  # per-rank (T, D, F, E, K)
 TINY = (256, 64, 32, 8, 2)  # for the scripts' own CPU / gloo check
 
 
-def interleaved_step(device: torch.device, comm_sms: int, sizes=ISSUE4, dtype=torch.bfloat16):
+def interleaved_step(device: torch.device, comm_sms: int, sizes=ISSUE4, dtype=torch.bfloat16, leaf_grads=False):
     """One call = the forward of a micro-batch with the backward of the previous one, same tokens every call
     (the first micro-batch's forward runs here). Module attributes are looked up at call time, so monkeypatches
-    of ``interleave`` made before this call apply. ``step.inputs``: (x, routing, group, E)."""
+    of ``interleave`` made before this call apply. ``step.inputs``: (x, routing, group, E). ``leaf_grads``: as
+    ``bench layer``'s 1i call -- x, the scores, w1 and w2 are leaves that require grad, and every call adds the
+    returned gradients into their ``.grad``."""
     rank, P = dist.get_rank(), dist.get_world_size()
     T, D, F, E, K = sizes
     L = E // P
@@ -28,11 +30,18 @@ def interleaved_step(device: torch.device, comm_sms: int, sizes=ISSUE4, dtype=to
     w1 = (torch.randn(L, 2 * F, D, generator=g) / D**0.5).to(device, dtype)
     w2 = (torch.randn(L, D, F, generator=g) / F**0.5).to(device, dtype)
     grad = torch.randn(T, D, generator=g).to(device, dtype)
+    if leaf_grads:
+        x, w1, w2 = (t.requires_grad_() for t in (x, w1, w2))
+        routing = TopKRouting(routing.scores_TK.requires_grad_(), routing.indices_TK)
     kw = dict(group=dist.group.WORLD, num_experts=E, comm_sms=comm_sms)
     state = [interleave.ep_forward(x, routing, w1, w2, **kw)[1]]
 
     def step():
-        state[0] = interleave.ep_forward_backward(state[0], grad, x, routing, w1, w2, **kw)[1]
+        state[0], g = interleave.ep_forward_backward(state[0], grad, x, routing, w1, w2, **kw)[1:]
+        if leaf_grads:
+            pairs = ((x, g.dx_TD), (routing.scores_TK, g.dscores_R.view_as(routing.scores_TK)))
+            for t, d in (*pairs, (w1, g.dw1_EGD), (w2, g.dw2_EDF)):
+                t.grad = d if t.grad is None else t.grad.add_(d)
 
     step.inputs = (x, routing, kw["group"], E)
     return step

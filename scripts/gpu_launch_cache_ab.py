@@ -4,13 +4,14 @@
 
     torchrun --nproc_per_node 4 scripts/gpu_launch_cache_ab.py --out $OUT [--rounds 40] [--comm-sms 32]
 
-Variants, each once per round from an idle device after a barrier (``bench layer``'s ``_timed_rounds``):
-the step with its all-to-alls and without them (``no a2a``: the layer's row / pair all-to-alls skipped, bench
-layer's reference), each with the cache on and off, and the step's all-to-alls alone (same plan). Per cache
-setting: wall and host time (median over rounds, max over ranks), and the share of all-to-all time hidden,
-1 - (t_on - t_no_a2a) / t_a2a with the difference paired round by round, as ``bench layer`` computes it.
-Paired cache gain (median over rounds of t(off) - t(on)) for both steps. Results are bitwise equal either way
-(checked here on the step's gradients).
+Variants, each once per round from an idle device after a barrier (``bench layer``'s ``_timed_rounds``): the
+step with its all-to-alls and without them (``no a2a``: the layer's row / pair all-to-alls skipped and no SMs
+reserved, bench layer's reference), each with the cache on and off, the same two with ``bench layer``'s call
+(leaves that require grad, gradients added into ``.grad``; cache on), and the step's all-to-alls alone (same
+plan). Per cache setting: wall and host time (median over rounds, max over ranks), and the share of all-to-all
+time hidden, 1 - (t_on - t_no_a2a) / t_a2a with the difference paired round by round, as ``bench layer``
+computes it. Paired cache gain (median over rounds of t(off) - t(on)) for both steps. Results are bitwise equal
+either way (checked here on two micro-batches' output and gradients).
 """
 
 from __future__ import annotations
@@ -56,25 +57,57 @@ def _grads(x, routing, group, E, comm_sms, cache: bool) -> list[torch.Tensor]:
     return [out, gA.dx_TD, gA.dscores_R, gA.dw1_EGD, gA.dw2_EDF, gB.dx_TD, gB.dw1_EGD]
 
 
+def _host_profile(steps: dict, rank: int, out: str) -> None:
+    """cProfile (tottime, top 30) of 20 calls of each step on rank 0, into ``out``/host_profile.txt."""
+    import cProfile
+    import io
+    import pstats
+
+    text = io.StringIO()
+    for name, fn in steps.items():
+        torch.cuda.synchronize()
+        dist.barrier()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(20):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        text.write(f"== {name}\n")
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    if rank == 0:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "host_profile.txt"), "w") as f:
+            f.write(text.getvalue())
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="out")
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--comm-sms", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=ISSUE4[0], help="T per rank (the other sizes: issue 4's)")
+    p.add_argument("--host-profile", action="store_true", help="cProfile both step kinds (rank 0, 20 steps)")
     args = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     rank, P = dist.get_rank(), dist.get_world_size()
-    step = interleaved_step(device, args.comm_sms, ISSUE4)
-    x, routing, group, E = step.inputs
+    sizes = (args.tokens, *ISSUE4[1:])
+    # As in bench layer, the no-a2a reference leaves no SMs free (comm_sms 0): what the step would cost if
+    # communication were free, so the share hidden also counts what the reservation costs the GEMMs.
+    steps = {a2a: interleaved_step(device, args.comm_sms if a2a else 0, sizes) for a2a in (True, False)}
+    bench_style = {a2a: interleaved_step(device, args.comm_sms if a2a else 0, sizes, True) for a2a in (True, False)}
+    x, routing, group, E = steps[True].inputs
     plan = make_plan(routing, num_experts=E, group=group, x_TD=x)
     variants = {
-        (a2a, cache): (step, lambda a2a=a2a, cache=cache: _setting(cache, a2a))
+        (a2a, cache): (steps[a2a], lambda a2a=a2a, cache=cache: _setting(cache, a2a))
         for a2a in (True, False)
         for cache in (True, False)
     }
+    for a2a in (True, False):
+        variants[(a2a, "leaf grads")] = (bench_style[a2a], lambda a2a=a2a: _setting(True, a2a))
     variants["a2a"] = (_a2a_alone(plan, x, device), contextlib.nullcontext)
     timing = _timed_rounds(variants, device, 5, args.rounds)
     t_a2a = _median(timing.pop("a2a")[0])
@@ -88,7 +121,7 @@ def main() -> int:
     )
     flag = torch.tensor([0.0 if same else 1.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    report = {"P": P, "T": ISSUE4[0], "comm_sms": args.comm_sms, "rounds": args.rounds, "a2a_alone_ms": t_a2a * 1e3}
+    report = {"P": P, "T": args.tokens, "comm_sms": args.comm_sms, "rounds": args.rounds, "a2a_alone_ms": t_a2a * 1e3}
     report["bitwise_cache_on_vs_off"] = bool(flag.item() == 0.0)
     for cache in (True, False):
         on, none = timing[(True, cache)][0], timing[(False, cache)][0]
@@ -101,6 +134,16 @@ def main() -> int:
             "a2a_exposed_ms": exposed * 1e3,
             "a2a_hidden": max(0.0, min(1.0, 1 - exposed / t_a2a)),
         }
+    on, none = timing[(True, "leaf grads")][0], timing[(False, "leaf grads")][0]
+    report["cache on, leaf grads (bench layer's call)"] = {
+        "wall_ms": _median(on) * 1e3,
+        "host_ms": _median(timing[(True, "leaf grads")][1]) * 1e3,
+        "no_a2a_wall_ms": _median(none) * 1e3,
+        "no_a2a_host_ms": _median(timing[(False, "leaf grads")][1]) * 1e3,
+        "a2a_hidden": max(0.0, min(1.0, 1 - _paired(on, none) / t_a2a)),
+    }
+    if args.host_profile:
+        _host_profile({"plain": steps[True], "leaf grads": bench_style[True]}, rank, args.out)
     report["cache_gain_ms"] = {
         "with a2a": _paired(timing[(True, False)][0], timing[(True, True)][0]) * 1e3,
         "no a2a": _paired(timing[(False, False)][0], timing[(False, True)][0]) * 1e3,
@@ -109,7 +152,7 @@ def main() -> int:
     if rank == 0:
         print(json.dumps(report, indent=1))
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"launch_cache_ab_ep{P}.json"), "w") as f:
+        with open(os.path.join(args.out, f"launch_cache_ab_ep{P}_T{args.tokens}.json"), "w") as f:
             json.dump(report, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
