@@ -2,7 +2,8 @@
 
 Why: QuACK's Python entry points (``gemm_tuned.fn`` -> ``gemm`` / ``gemm_act`` / ``gemm_dact``) spend ~63 us of
 host time per call -- shape checks, layout permutes, a 30-field compile-cache key, the argument NamedTuples --
-around a ~13 us TVM-FFI launch (H100: 76-77 us per call vs 13-14 us, ``scripts/gpu_host_floor.py``). The
+around a ~13 us TVM-FFI launch (H100: 76-80 us per call vs 13-14 us; an H200 machine's host: 33-48 vs 6 us and
+18-20 us through this cache; ``scripts/gpu_host_floor.py``, docs/PERF.md section 2, session 12). The
 expert-parallel layer is host-bound and its slowest rank's host paces every all-to-all (docs/PERF.md
 section 2), and an interleaved step makes six such calls.
 

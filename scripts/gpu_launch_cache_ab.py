@@ -97,8 +97,9 @@ def main() -> int:
     sizes = (args.tokens, *ISSUE4[1:])
     # As in bench layer, the no-a2a reference leaves no SMs free (comm_sms 0): what the step would cost if
     # communication were free, so the share hidden also counts what the reservation costs the GEMMs.
-    steps = {a2a: interleaved_step(device, args.comm_sms if a2a else 0, sizes) for a2a in (True, False)}
-    bench_style = {a2a: interleaved_step(device, args.comm_sms if a2a else 0, sizes, True) for a2a in (True, False)}
+    sms = {True: args.comm_sms, False: 0}
+    steps = {a2a: interleaved_step(device, n, sizes) for a2a, n in sms.items()}
+    bench_style = {a2a: interleaved_step(device, n, sizes, leaf_grads=True) for a2a, n in sms.items()}
     x, routing, group, E = steps[True].inputs
     plan = make_plan(routing, num_experts=E, group=group, x_TD=x)
     variants = {

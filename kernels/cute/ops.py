@@ -17,7 +17,8 @@ Weights stay in Megatron's layout (w1_EGD [E, 2F, D] with ``[gate ; up]`` rows, 
 ``concat_layout`` makes the kernels read (and dW1's epilogue write) the concatenated halves as interleaved
 gate/up pairs, so no weight is ever copied. H and dH live in the interleaved layout [R, (gate_f, up_f)...]
 that the gated epilogues produce; only this backend reads them. No host sync anywhere (varlen GEMMs read
-expert_offsets on the device).
+expert_offsets on the device). Under the default tile policy every GEMM launch goes through ``LAUNCHES``
+(kernels/launch_cache.py): QuACK's Python path on a call signature's first call, the compiled kernel directly after.
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ def _int32(n: int):
     return Int32(n)
 
 
-# QuACK launches under the heuristic policy go through this cache (kernels/launch_cache.py): ~13 us of host time
-# per GEMM instead of ~76 (H100). LAUNCHES.enabled = False: QuACK's own path every call (A/B benchmarks).
+# QuACK launches under the heuristic policy go through this cache (kernels/launch_cache.py): 18-20 us of host
+# time per GEMM instead of 33-48 (an H200 machine's host). LAUNCHES.enabled = False: QuACK's own path at every
+# call (A/B benchmarks).
 LAUNCHES = LaunchCache(
     (
         ("quack.gemm", "_compile_gemm"),
@@ -114,6 +116,7 @@ LAUNCHES = LaunchCache(
 
 
 def _clusters(config) -> int:
+    """CTAs per cluster as QuACK's ``gemm`` sizes its grid (``gemm_act`` / ``gemm_dact``: without cluster_k)."""
     return config.cluster_m * config.cluster_n * getattr(config, "cluster_k", 1)
 
 
@@ -187,7 +190,8 @@ def _gemm_gated(F: int, A, B, preact_out, postact_out, activation, cu_seqlens_m,
             )
 
         inputs = (A, B, preact_out, postact_out, cu_seqlens_m, A_idx)
-        LAUNCHES.launch(("gated", id(config), activation), inputs, quack_path, ctx=_clusters(config))
+        # gemm_act sizes its grid by cluster_m * cluster_n (gemm by cluster_m * cluster_n * cluster_k)
+        LAUNCHES.launch(("gated", id(config), activation), inputs, quack_path, ctx=config.cluster_m * config.cluster_n)
     else:
         qgemm.gemm_gated(
             A,
