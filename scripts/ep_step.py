@@ -1,9 +1,11 @@
 """The interleaved EP step of the issue-4 size for the device scripts (``gpu_a2a_host_cost.py``,
-``gpu_host_skew.py``): this rank's random top-K routing, tokens, local experts and output gradient, and a
-callable that runs one ``ep_forward_backward`` (schedule 1i) on them. Imported as a sibling module: torchrun
-puts ``scripts/`` on ``sys.path``."""
+``gpu_host_skew.py``, ``gpu_launch_cache_ab.py``): this rank's random top-K routing, tokens, local experts and
+output gradient, and a callable that runs one ``ep_forward_backward`` (schedule 1i) on them; and the scripts'
+process-group setup under torchrun. Imported as a sibling module: torchrun puts ``scripts/`` on ``sys.path``."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -12,6 +14,19 @@ from sonic_megatron.token_dispatch import interleave
 
 ISSUE4 = (16384, 1536, 256, 128, 8)  # per-rank (T, D, F, E, K)
 TINY = (256, 64, 32, 8, 2)  # for the scripts' own CPU / gloo check
+
+
+def init_ranks(cpu_check: bool = False) -> tuple[torch.device, int, int]:
+    """(device, rank, P) under torchrun: NCCL with this rank's GPU; with ``cpu_check`` and no GPU, gloo on the
+    CPU (a script's own check with the torch backend)."""
+    if cpu_check and not torch.cuda.is_available():
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    return device, dist.get_rank(), dist.get_world_size()
 
 
 def interleaved_step(device: torch.device, comm_sms: int, sizes=ISSUE4, dtype=torch.bfloat16, leaf_grads=False):

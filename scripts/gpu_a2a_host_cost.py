@@ -35,7 +35,7 @@ import sonic_megatron.token_dispatch.interleave as inter_mod
 import sonic_megatron.token_dispatch.plan as plan_mod
 import torch
 import torch.distributed as dist
-from ep_step import ISSUE4, TINY, interleaved_step
+from ep_step import ISSUE4, TINY, init_ranks, interleaved_step
 
 from sonic_megatron.bench.layer import _no_layer_a2a
 
@@ -92,15 +92,8 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--tag", default=os.environ.get("HOST_COST_TAG", "default"))
     args = p.parse_args()
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:  # the script's own check: gloo, torch backend
-        dist.init_process_group("gloo")
-    rank, P = dist.get_rank(), dist.get_world_size()
+    device, rank, P = init_ranks(cpu_check=True)  # no GPU: the script's own check, gloo + torch backend
+    cuda = device.type == "cuda"
     # comm.all_to_all behind both imports, switchable to the wrapper.
     a2a = _switchable(comm_mod.all_to_all)
     ex_mod.all_to_all = a2a

@@ -7,7 +7,7 @@ per call, the host time of the way the backend launches it today and of the bare
   QuACK GEMMs   ops' call through QuACK's path (our wrapper -> QuACK's *_tuned.fn -> gemm/gemm_act/gemm_dact ->
                 compiled kernel; ``ops.LAUNCHES.enabled = False``), through our launch cache
                 (kernels/launch_cache.py), and calling the compiled TVM-FFI function again with the arguments
-                QuACK built (recorded by wrapping QuACK's compile-cache functions): the floor;
+                QuACK built (recorded by the launch cache's spy on QuACK's compile-cache functions): the floor;
   ops.*         forward / backward_data / backward_weights with the launch cache off and on;
   Triton        gather_sum vs its JIT kernel launch alone.
 Every timing keeps the GPU busy (``torch.cuda._sleep`` queued first) so the host never waits; median of
@@ -53,36 +53,12 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    import quack.gemm as qg
-    import quack.gemm_act as qa
-    import quack.gemm_dact as qd
     from sonic_megatron.kernels import FlatRouting
     from sonic_megatron.kernels.cute import ops
     from sonic_megatron.kernels.interface import compute_metadata
     from sonic_megatron.kernels.triton import gather_sum
 
     gs_mod = importlib.import_module("sonic_megatron.kernels.triton.gather_sum")
-
-    recorded: dict[str, tuple] = {}
-    originals = []
-
-    def spy(mod, name: str) -> None:
-        compile_fn = getattr(mod, name)
-        originals.append((mod, name, compile_fn))
-
-        def wrapper(*a, **k):
-            fn = compile_fn(*a, **k)
-
-            def call(*cargs):
-                recorded[name] = (fn, cargs)
-                return fn(*cargs)
-
-            return call
-
-        setattr(mod, name, wrapper)
-
-    for mod, name in ((qg, "_compile_gemm"), (qa, "_compile_gemm_act"), (qd, "_compile_gemm_dact")):
-        spy(mod, name)
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -98,7 +74,7 @@ def main() -> int:
     w2 = torch.randn(L, D, F, device=dev, dtype=bf) * 0.02
     dO = torch.randn(U, D, device=dev, dtype=bf)
     rep: dict[str, dict] = {}
-    ops.LAUNCHES.enabled = False  # QuACK's own path while the spy is on (it sees its compiled-kernel calls)
+    ops.LAUNCHES.enabled = False  # QuACK's own path: the spy below sees its compiled-kernel call
     with torch.no_grad():
         o, h = ops.forward(x, s, w1, w2, meta, "swiglu", True)
         dx, ds, (ap_, dH) = ops.backward_data(dO, x, h, s, w1, w2, meta, "swiglu")
@@ -107,28 +83,22 @@ def main() -> int:
         a = torch.empty(R, F, device=dev, dtype=bf)
         y = torch.empty(R, D, device=dev, dtype=bf)
         gemm_calls = {
-            "up (gemm_gated)": (
-                lambda: ops._gemm_gated(
-                    F, x, w1.permute(0, 2, 1), h, a, "swiglu", meta.expert_offsets, meta.x_gather_idx
-                ),
-                "_compile_gemm_act",
+            "up (gemm_gated)": lambda: ops._gemm_gated(
+                F, x, w1.permute(0, 2, 1), h, a, "swiglu", meta.expert_offsets, meta.x_gather_idx
             ),
-            "down (gemm)": (
-                lambda: ops._gemm("down", F, D, a, w2.permute(0, 2, 1), y, cu_seqlens_m=meta.expert_offsets),
-                "_compile_gemm",
-            ),
+            "down (gemm)": lambda: ops._gemm("down", F, D, a, w2.permute(0, 2, 1), y, cu_seqlens_m=meta.expert_offsets),
         }
-        for label, (fn, key) in gemm_calls.items():
-            fn()
-            compiled, cargs = recorded[key]
+        for label, fn in gemm_calls.items():
+            calls: list = []
+            with ops.LAUNCHES.spying(calls):
+                fn()
+            compiled, cargs = calls[0]
             rep[label] = {
                 "quack_us": per_call_us(fn, args.calls),
                 "floor_us": per_call_us(lambda c=compiled, a=cargs: c(*a), args.calls),
             }
-        for mod, name, compile_fn in originals:  # the spy off before the launch cache records
-            setattr(mod, name, compile_fn)
         ops.LAUNCHES.enabled = True
-        for label, (fn, _) in gemm_calls.items():
+        for label, fn in gemm_calls.items():
             fn()  # records
             rep[label]["cached_us"] = per_call_us(fn, args.calls)
         for enabled in (False, True):

@@ -27,7 +27,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from ep_step import interleaved_step
+from ep_step import init_ranks, interleaved_step
 
 
 def _numa_cpus(gpu: int) -> set[int] | None:
@@ -72,11 +72,8 @@ def main() -> int:
     p.add_argument("--out", default="out")
     p.add_argument("--rounds", type=int, default=30)
     args = p.parse_args()
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-    rank, P = dist.get_rank(), dist.get_world_size()
+    device, rank, P = init_ranks()
+    local = device.index  # this rank's GPU
     step = interleaved_step(device, comm_sms=32)
 
     started = os.sched_getaffinity(0)

@@ -23,7 +23,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from ep_step import ISSUE4, interleaved_step
+from ep_step import ISSUE4, init_ranks, interleaved_step
 from sonic_megatron.kernels.cute import ops
 from sonic_megatron.token_dispatch import interleave
 from sonic_megatron.token_dispatch.plan import make_plan
@@ -89,11 +89,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=ISSUE4[0], help="T per rank (the other sizes: issue 4's)")
     p.add_argument("--host-profile", action="store_true", help="cProfile both step kinds (rank 0, 20 steps)")
     args = p.parse_args()
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-    rank, P = dist.get_rank(), dist.get_world_size()
+    device, rank, P = init_ranks()
     sizes = (args.tokens, *ISSUE4[1:])
     # As in bench layer, the no-a2a reference leaves no SMs free (comm_sms 0): what the step would cost if
     # communication were free, so the share hidden also counts what the reservation costs the GEMMs.

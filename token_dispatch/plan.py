@@ -58,7 +58,8 @@ class EPPlan:
     (the fixed summation order of combine).  send_rows / send_pairs / recv_rows / recv_pairs: host
     [N][P] split sizes.  recv_meta (property, built on first use): per chunk, RoutingMetadata over the L
     local experts of the received pairs (rows index that chunk's receive buffer).  recv_scores(): the
-    received pairs' scores.  rounding: the RoundingResult when rounding was applied.
+    received pairs' scores.  rounding: the RoundingResult when rounding was applied.  by_source: stages per
+    (chunk, source rank).
     """
 
     group: object

@@ -117,7 +117,7 @@ LAUNCHES = LaunchCache(
 
 def _clusters(config) -> int:
     """CTAs per cluster as QuACK's ``gemm`` sizes its grid (``gemm_act`` / ``gemm_dact``: without cluster_k)."""
-    return config.cluster_m * config.cluster_n * getattr(config, "cluster_k", 1)
+    return config.cluster_m * config.cluster_n * config.cluster_k
 
 
 def _gemm(
