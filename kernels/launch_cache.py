@@ -13,8 +13,9 @@ call's input tensor with the same data pointer and to the view that made it (a d
 a permutation: exactly one must fit, so it is the one QuACK applied); the match is checked by rebuilding every
 argument from the inputs and comparing pointer, dtype, shape and strides. Later calls with the same signature
 rebuild the arguments from their own tensors and call the compiled kernel directly. NamedTuples whose type is
-in ``per_call`` (QuACK's scheduler options: the grid size, which follows the SM reservation) are rebuilt at
-every call instead of being reused.
+in ``per_call`` (QuACK's scheduler options: the grid size, which follows the SM reservation, and the dynamic
+tile scheduler's semaphore address) are rebuilt at every call by their builder, which must replace every field
+that changes per call (an address in one is not checked: the builder owns it).
 
 Signature = the call site's static key (GEMM kind, tile config, flags) + the first input's device index + per
 input tensor None or (dtype, strides). QuACK's compile key derives from exactly these (dtypes, majors = which
@@ -110,12 +111,14 @@ class _Recipe:
             if ops is None:
                 raise _Uncacheable(f"no view of input {i} gives an argument", permanent=True)
             return ("t", i, ops)
+        if _is_namedtuple(x) and type(x) in self.per_call:
+            # Its builder rebuilds it from the recorded one at every call, replacing what changes per call
+            # (grid size, a semaphore's address); a tensor inside would be the recorded call's.
+            if any(isinstance(v, torch.Tensor) for v in x):
+                raise _Uncacheable("a per-call argument holds a tensor", permanent=True)
+            return ("p", type(x), x)
         if _is_namedtuple(x):
             kids = [self._node(v, inputs, by_ptr) for v in x]
-            if type(x) in self.per_call:
-                if any(k[0] != "c" for k in kids):  # its builder keeps the other fields as recorded
-                    raise _Uncacheable("a per-call argument holds a tensor", permanent=True)
-                return ("p", type(x), x)
             if all(k[0] == "c" for k in kids):
                 return ("c", x)
             return ("n", type(x), kids)

@@ -209,10 +209,41 @@ def test_cached_quack_launches_give_the_same_bits():
     torch.zeros(1, device="cuda")
     full = cute_dsl_utils.get_max_active_clusters(2)
     recorded = TileSchedulerOptions(max_active_clusters=ops._int32(1))
-    assert ops._scheduler_now(recorded, 2).max_active_clusters.value == full
+    assert ops._scheduler_now(recorded, (2, None)).max_active_clusters.value == full
     with ops.reserve_sms(16, gemms=1):
-        assert ops._scheduler_now(recorded, 2).max_active_clusters.value == full - 8
-        assert ops._scheduler_now(recorded, 2).max_active_clusters.value == full
+        assert ops._scheduler_now(recorded, (2, None)).max_active_clusters.value == full - 8
+        assert ops._scheduler_now(recorded, (2, None)).max_active_clusters.value == full
+    sem = torch.zeros(1, dtype=torch.int32, device="cuda")
+    assert ops._scheduler_now(recorded, (2, sem)).tile_count_semaphore == sem.data_ptr()
+
+
+@pytest.mark.parametrize("scheduler", ["dynamic", "full-grid"])
+def test_dynamic_tile_scheduler_gives_the_same_bits(scheduler):
+    """``ops.SCHEDULER``: QuACK's dynamic persistent tile scheduler (CTAs take tiles from an atomic counter) in
+    every launch, or in the launches without an SM reservation. Output and every gradient equal the static
+    scheduler's bitwise, on QuACK's path and on the cached launch (fresh counter per launch: a stale one would
+    skip tiles), with one launch reserved ("full-grid" then mixes both kinds in one forward)."""
+    _require_cute()
+    from sonic_megatron.kernels.cute import ops
+
+    for T, kind in ((4096, "hot"), (3001, "uniform")):
+        args = _case(T, 512, 256, 32, 4, kind=kind, seed=7)
+        want = _run("cute", *args)
+        ops.SCHEDULER = scheduler
+        try:
+            for _ in range(3):  # first: records (QuACK's path), then cached launches
+                with ops.reserve_sms(16, gemms=1):
+                    got = _run("cute", *args)
+                for name in want:
+                    assert torch.equal(want[name], got[name]), (scheduler, T, name)
+        finally:
+            ops.SCHEDULER = "static"
+    with pytest.raises(ValueError, match="SCHEDULER"):
+        ops.SCHEDULER = "sometimes"
+        try:
+            _run("cute", *args)
+        finally:
+            ops.SCHEDULER = "static"
 
 
 def test_triton_metadata_matches_torch_on_gpu():

@@ -21,6 +21,7 @@ class Epi(NamedTuple):
 class Sched(NamedTuple):
     clusters: int
     swizzle: int
+    semaphore: int | None = None  # an address (QuACK's dynamic tile scheduler's counter)
 
 
 def _make_fake(name: str) -> types.ModuleType:
@@ -38,12 +39,15 @@ def _make_fake(name: str) -> types.ModuleType:
     def compile_kernel(*key):
         return kernel
 
-    def entry(a_MK, w_KN, out_MN, idx=None, *, scale=2.0, clusters=8, extra=None, pointer=None, sched_tensor=None):
+    def entry(
+        a_MK, w_KN, out_MN, idx=None, *, scale=2.0, clusters=8, extra=None, pointer=None, sched_tensor=None, sem=None
+    ):
         a = a_MK.unsqueeze(0)
         w = w_KN.permute(1, 0)
         out_view = out_MN.view(torch.int16) if out_MN.dtype == torch.bfloat16 else out_MN
         fn = mod.compile_kernel(a.dtype, w.stride(), scale)
-        args = [a, w, out_view, Epi(out_MN, scale), Sched(clusters, 8), idx]
+        sched = Sched(clusters, 8, None if sem is None else sem.data_ptr())
+        args = [a, w, out_view, Epi(out_MN, scale), sched, idx]
         if extra is not None:  # a tensor the entry point allocates itself
             args[3] = Epi(torch.empty_like(out_MN), scale)
             fn(*args)
@@ -136,6 +140,28 @@ def test_entry_point_allocations_and_pointers_are_never_cached(fake):
             _launch(cache, fake, a, w, out, i, **kw)
             assert torch.equal(out, (a.double() @ w.double() * 2.0).float()), kw
         assert cache.stats == {"fast": 0, "recorded": 0, "slow": 3}, kw
+
+
+def test_per_call_namedtuple_with_an_address_is_rebuilt(fake):
+    """An address inside a per-call NamedTuple (the dynamic scheduler's semaphore) does not keep QuACK's path:
+    the builder replaces it at every call, so each cached launch gets that call's semaphore."""
+
+    def sched_now(recorded, ctx):
+        clusters, sem = ctx
+        return recorded._replace(clusters=clusters, semaphore=sem.data_ptr())
+
+    cache = LaunchCache(((fake.__name__, "compile_kernel"),), per_call={Sched: sched_now})
+    for seed in range(3):
+        a, w, out, i = _inputs(20, seed=seed)
+        sem = torch.zeros(1, dtype=torch.int32)
+
+        def entry(a=a, w=w, out=out, i=i, sem=sem):
+            fake.entry(a, w, out, i, clusters=5, sem=sem)
+
+        cache.launch("site", (a, w, out, i), entry, ctx=(5, sem))
+        assert fake.launched[-1][4] == Sched(5, 8, sem.data_ptr()), seed
+        assert torch.equal(out, (a.double() @ w.double() * 2.0).float())
+    assert cache.stats == {"fast": 2, "recorded": 1, "slow": 1}
 
 
 def test_aliased_or_ambiguous_inputs_are_recorded_later(fake):

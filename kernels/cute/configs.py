@@ -20,6 +20,7 @@ Gathered operands need cluster_n = 1 (QuACK's requirement with A_idx) and gated 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -69,13 +70,19 @@ def _overrides(value: str) -> dict[str, GemmConfig]:
     return out
 
 
-def heuristic_config(gemm: str, F: int, D: int) -> GemmConfig:
-    """``_heuristic_config`` under the current ``SONIC_MEGATRON_CUTE_TILES`` (memoized: called at every launch)."""
-    return _heuristic_config(gemm, F, D, os.environ.get("SONIC_MEGATRON_CUTE_TILES", ""))
+def heuristic_config(gemm: str, F: int, D: int, dynamic: bool = False) -> GemmConfig:
+    """``_tile_config`` under the current ``SONIC_MEGATRON_CUTE_TILES`` (memoized: called at every launch);
+    ``dynamic``: with QuACK's dynamic persistent tile scheduler (CTAs take tiles from an atomic counter)."""
+    return _heuristic_config(gemm, F, D, os.environ.get("SONIC_MEGATRON_CUTE_TILES", ""), dynamic)
 
 
 @functools.cache
-def _heuristic_config(gemm: str, F: int, D: int, tiles_env: str) -> GemmConfig:
+def _heuristic_config(gemm: str, F: int, D: int, tiles_env: str, dynamic: bool) -> GemmConfig:
+    config = _tile_config(gemm, F, D, tiles_env)
+    return dataclasses.replace(config, is_dynamic_persistent=True) if dynamic else config
+
+
+def _tile_config(gemm: str, F: int, D: int, tiles_env: str) -> GemmConfig:
     """The tile config of GEMM ``gemm`` (one of GEMMS) at expert size F (n) and hidden size D (d).
 
     Each rule cites the measured cost relative to the best config at the three measured shapes

@@ -24,6 +24,7 @@ expert_offsets on the device). Under the default tile policy every GEMM launch g
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from cutlass import Int32
@@ -34,6 +35,7 @@ from quack.tile_scheduler import TileSchedulerOptions
 from ..activations import GATED_ACTIVATIONS
 from ..launch_cache import LaunchCache
 from ..routing import RoutingMetadata
+from ..sm_reservation import reserved_sms
 from ..torch_backend import check_weight_grad_out
 from ..triton import compute_metadata_topk_triton, compute_metadata_triton, gather_sum
 from .configs import heuristic_config, policy
@@ -92,9 +94,17 @@ def _check_rows(meta: RoutingMetadata) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _scheduler_now(recorded, cluster_size: int):
-    """QuACK's scheduler options of a cached launch with the grid size of this launch (SM reservation)."""
-    return TileSchedulerOptions(_int32(clusters_now(cluster_size)), *recorded[1:])
+def _scheduler_now(recorded, ctx):
+    """QuACK's scheduler options of a cached launch, with this launch's grid size (SM reservation) and semaphore.
+    ``ctx`` = (CTAs per cluster, the dynamic tile scheduler's zeroed int32 counter or None)."""
+    cluster_size, semaphore = ctx
+    return TileSchedulerOptions(
+        _int32(clusters_now(cluster_size)),
+        recorded.raster_order,
+        recorded.max_swizzle_size,
+        None if semaphore is None else semaphore.data_ptr(),
+        recorded.batch_idx_permute,
+    )
 
 
 @functools.cache
@@ -113,6 +123,36 @@ LAUNCHES = LaunchCache(
     ),
     per_call={TileSchedulerOptions: _scheduler_now},
 )
+
+
+# Which launches use QuACK's dynamic persistent tile scheduler (each CTA takes its next tile from an atomic counter
+# instead of a fixed stride through the tiles), read at every launch under the heuristic policy:
+#   "static"     none: QuACK's default on SM90;
+#   "dynamic"    every launch;
+#   "full-grid"  the launches that take every SM (no ``reserve_sms`` in force for them). Beside a NCCL kernel that
+#                already holds some SMs, such a launch's CTAs for those SMs start only when it ends; with a fixed
+#                stride their tiles then finish last, with the counter the running CTAs take them.
+# Results are bitwise the same under each (every tile is computed by one CTA the same way).
+SCHEDULERS = ("static", "dynamic", "full-grid")
+SCHEDULER = os.environ.get("SONIC_MEGATRON_CUTE_SCHEDULER", "static")
+
+
+def _dynamic() -> bool:
+    """Whether the GEMM launched now uses the dynamic tile scheduler (``SCHEDULER``)."""
+    if SCHEDULER == "static":
+        return False
+    if SCHEDULER == "dynamic":
+        return True
+    if SCHEDULER == "full-grid":
+        return reserved_sms() == 0
+    raise ValueError(
+        f"kernels.cute.ops.SCHEDULER (SONIC_MEGATRON_CUTE_SCHEDULER) must be one of {SCHEDULERS}, got {SCHEDULER!r}"
+    )
+
+
+def _semaphore(device):
+    """A zeroed tile counter for one dynamic launch (QuACK's varlen-M scheduler leaves its counter non-zero)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def _clusters(config) -> int:
@@ -138,7 +178,9 @@ def _gemm(
     added once by the one tile that owns it, so the result is deterministic; not with varlen-M)."""
     pol = policy()
     if pol == "heuristic":
-        config = heuristic_config(gemm, F, D)
+        dynamic = _dynamic()
+        config = heuristic_config(gemm, F, D, dynamic)
+        sem = _semaphore(A.device) if dynamic else None
 
         def quack_path():
             qgemm.gemm_tuned.fn(
@@ -149,13 +191,14 @@ def _gemm(
                 cu_seqlens_k=cu_seqlens_k,
                 A_idx=A_idx,
                 add_to_output=add_to_output,
-                dynamic_scheduler=False,
+                dynamic_scheduler=dynamic,
                 config=config,
                 concat_layout=concat_layout,
             )
 
         site = ("gemm", id(config), concat_layout, add_to_output)  # configs are memoized: id() is stable
-        LAUNCHES.launch(site, (A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx), quack_path, ctx=_clusters(config))
+        inputs = (A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx)
+        LAUNCHES.launch(site, inputs, quack_path, ctx=(_clusters(config), sem))
     else:
         (qgemm.gemm_add_inplace if add_to_output else qgemm.gemm)(
             A,
@@ -173,7 +216,9 @@ def _gemm(
 def _gemm_gated(F: int, A, B, preact_out, postact_out, activation, cu_seqlens_m, A_idx):
     pol = policy()
     if pol == "heuristic":
-        config = heuristic_config("up", F, A.shape[1])
+        dynamic = _dynamic()
+        config = heuristic_config("up", F, A.shape[1], dynamic)
+        sem = _semaphore(A.device) if dynamic else None
 
         def quack_path():
             qgemm.gemm_gated_tuned.fn(
@@ -184,14 +229,15 @@ def _gemm_gated(F: int, A, B, preact_out, postact_out, activation, cu_seqlens_m,
                 activation=activation,
                 cu_seqlens_m=cu_seqlens_m,
                 A_idx=A_idx,
-                dynamic_scheduler=False,
+                dynamic_scheduler=dynamic,
                 config=config,
                 concat_layout=("B",),
             )
 
         inputs = (A, B, preact_out, postact_out, cu_seqlens_m, A_idx)
         # gemm_act sizes its grid by cluster_m * cluster_n (gemm by cluster_m * cluster_n * cluster_k)
-        LAUNCHES.launch(("gated", id(config), activation), inputs, quack_path, ctx=config.cluster_m * config.cluster_n)
+        ctx = (config.cluster_m * config.cluster_n, sem)
+        LAUNCHES.launch(("gated", id(config), activation), inputs, quack_path, ctx=ctx)
     else:
         qgemm.gemm_gated(
             A,
@@ -212,7 +258,9 @@ def _gemm_dgated(F: int, A, B, preact, dx_out, postact_out, colvec_scale, activa
     """dH GEMM; returns dS per row (fp32). Varlen-M with gathered A only (as ``backward_data`` calls it)."""
     pol = policy()
     if pol == "heuristic":
-        config = heuristic_config("dh", F, A.shape[1])
+        dynamic = _dynamic()
+        config = heuristic_config("dh", F, A.shape[1], dynamic)
+        sem = _semaphore(A.device) if dynamic else None
         # The colvec reduction's per-(row, N tile) partials, which QuACK's gemm_dgated_tuned would allocate
         # itself: allocated here, so that the launch reads only our tensors (cacheable), and summed below as
         # gemm_dgated_tuned sums them.
@@ -225,7 +273,7 @@ def _gemm_dgated(F: int, A, B, preact, dx_out, postact_out, colvec_scale, activa
                 dx_out,
                 preact,
                 postact_out,
-                None,
+                sem,
                 activation,
                 config.tile_m,
                 config.tile_n,
@@ -234,7 +282,7 @@ def _gemm_dgated(F: int, A, B, preact, dx_out, postact_out, colvec_scale, activa
                 tile_K=config.tile_k,
                 pingpong=config.pingpong,
                 persistent=True,
-                is_dynamic_persistent=False,
+                is_dynamic_persistent=dynamic,
                 max_swizzle_size=config.max_swizzle_size,
                 colvec_scale=colvec_scale,
                 colvec_reduce=partial,
@@ -244,7 +292,8 @@ def _gemm_dgated(F: int, A, B, preact, dx_out, postact_out, colvec_scale, activa
             )
 
         inputs = (A, B, dx_out, preact, postact_out, colvec_scale, partial, cu_seqlens_m, A_idx)
-        LAUNCHES.launch(("dgated", id(config), activation), inputs, quack_path, ctx=config.cluster_m * config.cluster_n)
+        ctx = (config.cluster_m * config.cluster_n, sem)
+        LAUNCHES.launch(("dgated", id(config), activation), inputs, quack_path, ctx=ctx)
         return partial.sum(dim=-1)
     return qgemm.gemm_dgated(
         A,
