@@ -36,6 +36,13 @@ def reserved_sms() -> int:
     return r.sms if r.gemms_left is None or r.gemms_left > 0 else 0
 
 
+def past_reservation() -> bool:
+    """Inside ``reserve_sms(n > 0, gemms=k)`` after its first k GEMM launches: a GEMM launched now takes every SM
+    while the collective the reservation was made for may still hold some of them."""
+    r = _RESERVATION.get()
+    return r.sms > 0 and r.gemms_left == 0
+
+
 def take_reservation() -> int:
     """The SMs a GEMM being launched now leaves free (``reserved_sms``); counts the launch against ``gemms``."""
     sms, r = reserved_sms(), _RESERVATION.get()

@@ -8,6 +8,8 @@ kernel forgets to write shows up. Inputs are fresh random tensors (never zeros).
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from sonic_megatron.kernels import FlatRouting, TopKRouting, moe_experts, moe_experts_reference
@@ -63,14 +65,16 @@ def _leaves(x, routing, w1, w2, dtype):
     return leaf(x), r, s, leaf(w1), leaf(w2)
 
 
-def _run(backend, x, routing, w1, w2, dO, dtype, activation):
+def _run(backend, x, routing, w1, w2, dO, dtype, activation, forward_ctx=contextlib.nullcontext):
+    """Output and gradients; ``forward_ctx()`` is entered around the forward only."""
     xl, r, s, w1l, w2l = _leaves(x, routing, w1, w2, dtype)
     if backend == "reference":
         out = moe_experts_reference(xl, r, w1l, w2l, activation)
     else:
         if backend == "cute":
             _poison()
-        out = moe_experts(xl, r, w1l, w2l, activation=activation, backend=backend)
+        with forward_ctx():
+            out = moe_experts(xl, r, w1l, w2l, activation=activation, backend=backend)
     if out.requires_grad:
         out.backward(dO.to(dtype))
     else:  # the naive reference builds no graph when no expert receives a token: all gradients are zero
@@ -217,33 +221,35 @@ def test_cached_quack_launches_give_the_same_bits():
     assert ops._scheduler_now(recorded, (2, sem)).tile_count_semaphore == sem.data_ptr()
 
 
-@pytest.mark.parametrize("scheduler", ["dynamic", "full-grid"])
-def test_dynamic_tile_scheduler_gives_the_same_bits(scheduler):
+@pytest.mark.parametrize("scheduler", ["dynamic", "auto"])
+def test_dynamic_tile_scheduler_gives_the_same_bits(scheduler, monkeypatch):
     """``ops.SCHEDULER``: QuACK's dynamic persistent tile scheduler (CTAs take tiles from an atomic counter) in
-    every launch, or in the launches without an SM reservation. Output and every gradient equal the static
-    scheduler's bitwise, on QuACK's path and on the cached launch (fresh counter per launch: a stale one would
-    skip tiles), with one launch reserved ("full-grid" then mixes both kinds in one forward)."""
+    every launch, or ("auto") in the launches past the reserved ones of ``reserve_sms(n, gemms=k)`` (here the
+    forward's down GEMM; the reservation covers the forward only). Output and every
+    gradient equal the static scheduler's bitwise, on QuACK's path and on the cached launch (a fresh counter per
+    launch: a stale one would skip tiles)."""
     _require_cute()
     from sonic_megatron.kernels.cute import ops
 
+    counters = []
+    semaphore = ops._semaphore
+    monkeypatch.setattr(ops, "_semaphore", lambda dev: counters.append(1) or semaphore(dev))
+    monkeypatch.setattr(ops, "SCHEDULER", "static")
     for T, kind in ((4096, "hot"), (3001, "uniform")):
         args = _case(T, 512, 256, 32, 4, kind=kind, seed=7)
+        ops.SCHEDULER = "static"
         want = _run("cute", *args)
+        assert not counters
         ops.SCHEDULER = scheduler
-        try:
-            for _ in range(3):  # first: records (QuACK's path), then cached launches
-                with ops.reserve_sms(16, gemms=1):
-                    got = _run("cute", *args)
-                for name in want:
-                    assert torch.equal(want[name], got[name]), (scheduler, T, name)
-        finally:
-            ops.SCHEDULER = "static"
+        for _ in range(3):  # first: records (QuACK's path), then cached launches
+            got = _run("cute", *args, forward_ctx=lambda: ops.reserve_sms(16, gemms=1))
+            for name in want:
+                assert torch.equal(want[name], got[name]), (scheduler, T, name)
+        assert len(counters) == 3 * (6 if scheduler == "dynamic" else 1), len(counters)
+        counters.clear()
+    ops.SCHEDULER = "sometimes"
     with pytest.raises(ValueError, match="SCHEDULER"):
-        ops.SCHEDULER = "sometimes"
-        try:
-            _run("cute", *args)
-        finally:
-            ops.SCHEDULER = "static"
+        _run("cute", *args)
 
 
 def test_triton_metadata_matches_torch_on_gpu():

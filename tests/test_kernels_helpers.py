@@ -210,21 +210,33 @@ def within_torch_error(
 
 
 def test_sm_reservation_counts_gemm_launches():
-    """``reserve_sms(n, gemms=k)``: the first k GEMM launches inside leave n SMs free, the later ones none;
+    """``reserve_sms(n, gemms=k)``: the first k GEMM launches inside leave n SMs free, the later ones none (and
+    are ``past_reservation``: the cute backend gives them the dynamic tile scheduler);
     without ``gemms`` every launch does; nested contexts restore the outer one; bad arguments name themselves."""
     from sonic_megatron.kernels import torch_backend
-    from sonic_megatron.kernels.sm_reservation import budgeted_clusters, reserve_sms, reserved_sms, take_reservation
+    from sonic_megatron.kernels.sm_reservation import (
+        budgeted_clusters,
+        past_reservation,
+        reserve_sms,
+        reserved_sms,
+        take_reservation,
+    )
 
-    assert take_reservation() == 0 and reserved_sms() == 0
+    assert take_reservation() == 0 and reserved_sms() == 0 and not past_reservation()
     with reserve_sms(32, gemms=2):
+        assert not past_reservation()
         assert [take_reservation() for _ in range(4)] == [32, 32, 0, 0]
-        assert reserved_sms() == 0
+        assert reserved_sms() == 0 and past_reservation()  # later launches: every SM, beside the collective
         with reserve_sms(16):
             assert [take_reservation() for _ in range(3)] == [16, 16, 16]
+            assert not past_reservation()
         assert take_reservation() == 0  # the outer reservation is still spent
     with reserve_sms(8, gemms=0):
-        assert take_reservation() == 0
-    assert reserved_sms() == 0
+        assert take_reservation() == 0 and past_reservation()
+    with reserve_sms(0, gemms=1):  # nothing reserved: nothing to be past
+        take_reservation()
+        assert not past_reservation()
+    assert reserved_sms() == 0 and not past_reservation()
     assert budgeted_clusters(66, 2, 32) == 50 and budgeted_clusters(66, 2, 0) == 66 and budgeted_clusters(3, 2, 99) == 1
     for bad, word in (((-1, None), "n must be"), ((4, -2), "gemms must be"), ((4, 1.5), "gemms must be")):
         with pytest.raises(ValueError, match=word), reserve_sms(*bad):

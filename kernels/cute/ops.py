@@ -35,7 +35,7 @@ from quack.tile_scheduler import TileSchedulerOptions
 from ..activations import GATED_ACTIVATIONS
 from ..launch_cache import LaunchCache
 from ..routing import RoutingMetadata
-from ..sm_reservation import reserved_sms
+from ..sm_reservation import past_reservation
 from ..torch_backend import check_weight_grad_out
 from ..triton import compute_metadata_topk_triton, compute_metadata_triton, gather_sum
 from .configs import heuristic_config, policy
@@ -126,25 +126,28 @@ LAUNCHES = LaunchCache(
 
 
 # Which launches use QuACK's dynamic persistent tile scheduler (each CTA takes its next tile from an atomic counter
-# instead of a fixed stride through the tiles), read at every launch under the heuristic policy:
-#   "static"     none: QuACK's default on SM90;
-#   "dynamic"    every launch;
-#   "full-grid"  the launches that take every SM (no ``reserve_sms`` in force for them). Beside a NCCL kernel that
-#                already holds some SMs, such a launch's CTAs for those SMs start only when it ends; with a fixed
-#                stride their tiles then finish last, with the counter the running CTAs take them.
-# Results are bitwise the same under each (every tile is computed by one CTA the same way).
-SCHEDULERS = ("static", "dynamic", "full-grid")
-SCHEDULER = os.environ.get("SONIC_MEGATRON_CUTE_SCHEDULER", "static")
+# instead of striding through the tiles by the grid size), read at every launch under the heuristic policy:
+#   "auto"     (default) the launches past the reserved ones of a ``reserve_sms(n, gemms=k)`` context: they take
+#              every SM while the collective the reservation was made for may still hold some. Their CTAs for
+#              those SMs start only when the collective's kernel ends; with a fixed stride the tiles of those CTAs
+#              then finish last, with the counter the CTAs already running take them. Paired at EP 4 (interleaved
+#              step, comm_sms 32): 0.12 ms less at T = 16384, 0.87 ms less at T = 65536 (docs/PERF.md section 2,
+#              session 13). Static elsewhere, where the counter's zeroing costs a launch and saves nothing;
+#   "static"   none (QuACK's default on SM90);
+#   "dynamic"  every launch.
+# Results are bitwise the same under each (every tile is computed by one CTA, the same way).
+SCHEDULERS = ("auto", "static", "dynamic")
+SCHEDULER = os.environ.get("SONIC_MEGATRON_CUTE_SCHEDULER", "auto")
 
 
 def _dynamic() -> bool:
     """Whether the GEMM launched now uses the dynamic tile scheduler (``SCHEDULER``)."""
+    if SCHEDULER == "auto":
+        return past_reservation()
     if SCHEDULER == "static":
         return False
     if SCHEDULER == "dynamic":
         return True
-    if SCHEDULER == "full-grid":
-        return reserved_sms() == 0
     raise ValueError(
         f"kernels.cute.ops.SCHEDULER (SONIC_MEGATRON_CUTE_SCHEDULER) must be one of {SCHEDULERS}, got {SCHEDULER!r}"
     )
