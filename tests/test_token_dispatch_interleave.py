@@ -218,13 +218,13 @@ def _reservation_worker(rank, P, policy):
     return log
 
 
-@pytest.mark.parametrize("policy,data_gemms", [("auto", 1), ("all", None)])
-def test_interleaved_step_reserves_sms_per_policy(policy, data_gemms):
-    """In ep_forward_backward every backend call runs under comm_sms; "auto" limits the forward and backward-data
-    calls to their first GEMM, the weight-gradient call always reserves in all of its GEMMs."""
+@pytest.mark.parametrize("policy,gemms", [("auto", 1), ("all", None)])
+def test_interleaved_step_reserves_sms_per_policy(policy, gemms):
+    """In ep_forward_backward every backend call runs under comm_sms; "auto" limits each call (forward,
+    backward-data, weight-gradient) to its first GEMM, "all" reserves in every GEMM."""
     for log in run_distributed(_reservation_worker, 2, policy, timeout=120):
         assert log == [
-            ("backward_data", (8, data_gemms)),
-            ("forward", (8, data_gemms)),
-            ("backward_weights", (8, None)),
+            ("backward_data", (8, gemms)),
+            ("forward", (8, gemms)),
+            ("backward_weights", (8, gemms)),
         ], log

@@ -191,9 +191,9 @@ def ep_forward(
     backward; it keeps H and the received rows, as the autograd path does in training). Arguments as
     ``expert_parallel_experts`` (``comm_sms``: SMs the GEMMs leave free for the all-to-alls in flight), and
     ``sm_reservation``: in which GEMMs of an interleaved step the ``comm_sms`` reservation applies -- "auto"
-    (default): only the first GEMM of each forward / backward-data call, the rest get every SM (the other
-    micro-batch's all-to-all beside them is shorter than the call); "all": every GEMM beside a collective.
-    Results are bitwise the same either way."""
+    (default): only the first GEMM of each forward / backward-data / weight-gradient call; the second takes
+    every SM, with the cute backend's dynamic tile scheduler so that its CTAs held back by the NCCL kernel's SMs
+    cost no tail; "all": every GEMM beside a collective. Results are bitwise the same either way."""
     options = _options(locals())
     out_TD, state, _ = _forward_with(None, None, x_TD, routing, w1_EGD, w2_EDF, options)
     return out_TD, state

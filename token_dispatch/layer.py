@@ -72,12 +72,11 @@ def _comm_sms(plan: EPPlan, comm_sms: int, overlap: bool, multi_stage_only: bool
 @dataclass(frozen=True)
 class _SMBudget:
     """SMs the GEMMs leave free for collectives in flight: in a forward / backward-data call (``data``), in a
-    weight-gradient call (``weights``), and in how many of a forward / backward-data call's GEMMs
-    (``data_gemms``; None: all of them)."""
+    weight-gradient call (``weights``), and in how many of each call's GEMMs (``gemms``; None: all of them)."""
 
     data: int
     weights: int
-    data_gemms: int | None = None
+    gemms: int | None = None
 
 
 @dataclass
@@ -95,16 +94,15 @@ class _Saved:
 
 def _free_sms(plan: EPPlan, comm_sms: int, overlap: bool, concurrent: bool, reservation: str = "auto") -> _SMBudget:
     """``comm_sms`` wherever a collective can be in flight. ``concurrent``: another micro-batch's all-to-alls
-    run beside every GEMM (``interleave.py``). There each of them is shorter than the forward / backward-data
-    call beside it (one all-to-all of rows vs two grouped GEMMs and a gather-sum), so with ``reservation``
-    "auto" only the call's first GEMM leaves SMs free: the NCCL kernel started beside it keeps its SMs into the
-    second, which otherwise gets every SM. "all": every GEMM (also the only policy with one micro-batch, whose
-    stages' collectives are not bounded by one call). The weight-gradient GEMMs always reserve (the combine
-    all-to-all beside them is about as long as both)."""
+    run beside every GEMM (``interleave.py``). There, with ``reservation`` "auto", only each call's first GEMM
+    leaves SMs free: the NCCL kernel started beside it keeps its SMs into the second GEMM, which takes every SM
+    with the cute backend's dynamic tile scheduler (its CTAs that wait for the NCCL kernel's SMs find the tiles
+    already taken by the running ones; ``kernels/cute/ops.py``'s ``SCHEDULER``). "all": every GEMM (also the only
+    policy with one micro-batch, whose stages' collectives are not bounded by one call)."""
     return _SMBudget(
         data=_comm_sms(plan, comm_sms, overlap, multi_stage_only=not concurrent),
         weights=_comm_sms(plan, comm_sms, overlap, multi_stage_only=False),
-        data_gemms=1 if concurrent and reservation == "auto" else None,
+        gemms=1 if concurrent and reservation == "auto" else None,
     )
 
 
@@ -127,7 +125,7 @@ def _forward_steps(x_TD, w1, w2, plan: EPPlan, ops, activation, *, overlap, free
     pend_y, hs, keep = Pending(eager), [], []
     for i in range(S):
         pend_x[i].wait()  # stage i's rows and scores
-        with record_function(f"ep.fwd.experts[{i}]"), ops.reserve_sms(free_sms.data, free_sms.data_gemms):
+        with record_function(f"ep.fwd.experts[{i}]"), ops.reserve_sms(free_sms.data, free_sms.gemms):
             o, h = ops.forward(
                 X.recv_rows(plan, x_recv, i), X.recv_pairs(plan, s_recv, i), w1, w2, metas[i], activation, store_h
             )
@@ -180,7 +178,7 @@ def _backward_steps(
         pend_dO[i].wait()
         pend_x[i].wait()
         dO, x, meta = X.recv_rows(plan, dO_recv, i), X.recv_rows(plan, x_recv, i), plan.recv_meta[i]
-        with record_function(f"ep.bwd.data[{i}]"), ops.reserve_sms(free.data, free.data_gemms):
+        with record_function(f"ep.bwd.data[{i}]"), ops.reserve_sms(free.data, free.gemms):
             dx, ds, (ap, dH) = ops.backward_data(
                 dO, x, saved.hs[i], X.recv_pairs(plan, saved.s_recv, i), w1, w2, meta, activation
             )
@@ -191,7 +189,7 @@ def _backward_steps(
         if i == S - 1:
             yield  # the last stage's dX / dS all-to-alls are in flight
         if want_w:  # runs while stage i's dX / dS all-to-alls are in flight
-            with record_function(f"ep.bwd.weights[{i}]"), ops.reserve_sms(free.weights):
+            with record_function(f"ep.bwd.weights[{i}]"), ops.reserve_sms(free.weights, free.gemms):
                 dws = _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, wgrad, dws, S)
     pend_back.wait()
     dw1, dw2 = _in_weight_dtype(dws, w1, w2)
