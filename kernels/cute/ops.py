@@ -126,13 +126,15 @@ LAUNCHES = LaunchCache(
 
 
 # Which launches use QuACK's dynamic persistent tile scheduler (each CTA takes its next tile from an atomic counter
-# instead of striding through the tiles by the grid size), read at every launch under the heuristic policy:
+# instead of striding through the tiles by the grid size) under the heuristic policy. ``SCHEDULER`` is read at every
+# launch (A/B benchmarks set it); its default comes from SONIC_MEGATRON_CUTE_SCHEDULER at import:
 #   "auto"     (default) the launches past the reserved ones of a ``reserve_sms(n, gemms=k)`` context: they take
 #              every SM while the collective the reservation was made for may still hold some. Their CTAs for
 #              those SMs start only when the collective's kernel ends; with a fixed stride the tiles of those CTAs
-#              then finish last, with the counter the CTAs already running take them. Paired at EP 4 (interleaved
-#              step, comm_sms 32): 0.12 ms less at T = 16384, 0.87 ms less at T = 65536 (docs/PERF.md section 2,
-#              session 13). Static elsewhere, where the counter's zeroing costs a launch and saves nothing;
+#              then finish last, with the counter the CTAs already running take them. Paired at EP 4 against
+#              "static" (interleaved step, comm_sms 32): 0.07-0.12 ms less at T = 16384, 0.87-1.12 ms less at
+#              T = 65536 (docs/PERF.md section 2, session 13). Static elsewhere, where the counter's zeroing costs
+#              a launch and saves nothing;
 #   "static"   none (QuACK's default on SM90);
 #   "dynamic"  every launch.
 # Results are bitwise the same under each (every tile is computed by one CTA, the same way).
