@@ -6,9 +6,8 @@ backend (``kernels/cute/ops.py``'s ``SCHEDULER``: auto / static / dynamic), time
         [--settings static,auto,dynamic,auto+wfirst]
 
 A setting is a scheduler, optionally with ``+wfirst``: the weight-gradient GEMMs reserve SMs in their first
-launch only (``reserve_sms(n, gemms=1)``; an experiment of session 13, patched here, since then the default of
-``sm_reservation="auto"``), and ``+dsearly``: the previous micro-batch's dS all-to-all goes out right after its dX
-all-to-all, before this micro-batch's experts (``token_dispatch.layer.DS_AFTER_YIELD = False``).
+launch only (``reserve_sms(n, gemms=1)``, as the data GEMMs under ``sm_reservation="auto"``), so that under
+"auto" the second one takes every SM with the dynamic scheduler (an experiment: patched here, not an option).
 
 Variants, each once per round from an idle device after a barrier (``bench layer``'s ``_timed_rounds``): per
 setting the step with its all-to-alls and without them (``no a2a``: bench layer's reference, no SMs reserved),
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 from ep_step import ISSUE4, init_ranks, interleaved_step
 from sonic_megatron.kernels.cute import ops
-from sonic_megatron.token_dispatch import interleave, layer
+from sonic_megatron.token_dispatch import interleave
 from sonic_megatron.token_dispatch.plan import make_plan
 
 from sonic_megatron.bench.layer import _a2a_alone, _median, _no_layer_a2a, _paired, _timed_rounds
@@ -44,19 +43,16 @@ def _first_only(n, gemms=None):
 
 @contextlib.contextmanager
 def _setting(setting: str, a2a: bool):
-    scheduler, *extras = setting.split("+")
-    if not set(extras) <= {"wfirst", "dsearly"}:
-        raise ValueError(
-            f"--settings: a setting is a scheduler of {ops.SCHEDULERS} [+wfirst][+dsearly], got {setting!r}"
-        )
+    scheduler, _, extra = setting.partition("+")
+    if extra not in ("", "wfirst"):
+        raise ValueError(f"--settings: a setting is a scheduler of {ops.SCHEDULERS} [+wfirst], got {setting!r}")
     ops.SCHEDULER = scheduler
-    ops.reserve_sms = _first_only if "wfirst" in extras else _RESERVE_SMS
-    layer.DS_AFTER_YIELD = "dsearly" not in extras
+    ops.reserve_sms = _first_only if extra else _RESERVE_SMS
     try:
         with contextlib.nullcontext() if a2a else _no_layer_a2a():
             yield
     finally:
-        ops.SCHEDULER, ops.reserve_sms, layer.DS_AFTER_YIELD = "auto", _RESERVE_SMS, True
+        ops.SCHEDULER, ops.reserve_sms = "auto", _RESERVE_SMS
 
 
 def _grads(x, routing, group, E, comm_sms, scheduler: str) -> list[torch.Tensor]:

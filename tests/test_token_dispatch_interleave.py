@@ -114,19 +114,15 @@ def test_launch_order(monkeypatch):
     log.clear()
     ep_forward_backward(fwd_a, a["grad"], x, build_routing(b, logits_b, 0, T), w1, w2, **kw)
     events = [e for e in log if e != "wait"]
-    from sonic_megatron.token_dispatch import layer
-
-    ds_late = layer.DS_AFTER_YIELD
     assert events == [
         "plan",  # B: plan (its counts all-gather; the host copy follows A's dO launch: test_plan_before_sync)
         "rows_out",  # A: dO
         "rows_out",  # B: dispatch
         "backward_data",  # A
         "rows_back",  # A: dX
-        *([] if ds_late else ["pairs_back"]),  # A: dS
+        "pairs_back",  # A: dS
         "forward",  # B: experts
         "rows_back",  # B: combine
-        *(["pairs_back"] if ds_late else []),  # A: dS
         "backward_weights",  # A
     ], log
     i_dispatch_b = [i for i, e in enumerate(log) if e == "rows_out"][1]

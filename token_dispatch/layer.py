@@ -92,9 +92,6 @@ class _Saved:
     redispatch: bool
 
 
-DS_AFTER_YIELD = True  # EXPERIMENT (session 13): the last stage's dS all-to-all after the yield
-
-
 def _free_sms(plan: EPPlan, comm_sms: int, overlap: bool, concurrent: bool, reservation: str = "auto") -> _SMBudget:
     """``comm_sms`` wherever a collective can be in flight. ``concurrent``: another micro-batch's all-to-alls
     run beside every GEMM (``interleave.py``). There, with ``reservation`` "auto", only each call's first GEMM
@@ -187,14 +184,10 @@ def _backward_steps(
             )
             ds = ds.to(ct)
         X.rows_to_sources(plan, dx, dx_send, i, pend_back)
-        last = i == S - 1
-        if not (last and DS_AFTER_YIELD):
-            X.pairs_to_sources(plan, ds, ds_send, i, pend_back)
+        X.pairs_to_sources(plan, ds, ds_send, i, pend_back)
         keep.append((dx, ds))
-        if last:
-            yield  # the last stage's dX all-to-all is in flight
-            if DS_AFTER_YIELD:
-                X.pairs_to_sources(plan, ds, ds_send, i, pend_back)
+        if i == S - 1:
+            yield  # the last stage's dX / dS all-to-alls are in flight
         if want_w:  # runs while stage i's dX / dS all-to-alls are in flight
             with record_function(f"ep.bwd.weights[{i}]"), ops.reserve_sms(free.weights, free.gemms):
                 dws = _weight_grads(ops, dO, x, ap, dH, meta, w1, w2, wgrad, dws, S)
