@@ -3,11 +3,7 @@
 backend (``kernels/cute/ops.py``'s ``SCHEDULER``: auto / static / dynamic), timed in the same rounds:
 
     torchrun --nproc_per_node 4 scripts/gpu_scheduler_ab.py --out $OUT [--rounds 40] [--comm-sms 32] [--tokens T] \
-        [--settings static,auto,dynamic,auto+wfirst]
-
-A setting is a scheduler, optionally with ``+wfirst``: the weight-gradient GEMMs reserve SMs in their first
-launch only (``reserve_sms(n, gemms=1)``, as the data GEMMs under ``sm_reservation="auto"``), so that under
-"auto" the second one takes every SM with the dynamic scheduler (an experiment: patched here, not an option).
+        [--settings static,auto,dynamic]
 
 Variants, each once per round from an idle device after a barrier (``bench layer``'s ``_timed_rounds``): per
 setting the step with its all-to-alls and without them (``no a2a``: bench layer's reference, no SMs reserved),
@@ -33,26 +29,17 @@ from sonic_megatron.token_dispatch.plan import make_plan
 
 from sonic_megatron.bench.layer import _a2a_alone, _median, _no_layer_a2a, _paired, _timed_rounds
 
-_RESERVE_SMS = ops.reserve_sms
-
-
-def _first_only(n, gemms=None):
-    """``reserve_sms`` with every-GEMM reservations (the weight GEMMs' in an interleaved step) cut to the first."""
-    return _RESERVE_SMS(n, 1 if gemms is None else gemms)
-
 
 @contextlib.contextmanager
-def _setting(setting: str, a2a: bool):
-    scheduler, _, extra = setting.partition("+")
-    if extra not in ("", "wfirst"):
-        raise ValueError(f"--settings: a setting is a scheduler of {ops.SCHEDULERS} [+wfirst], got {setting!r}")
+def _setting(scheduler: str, a2a: bool):
+    if scheduler not in ops.SCHEDULERS:
+        raise ValueError(f"--settings: each setting must be one of {ops.SCHEDULERS}, got {scheduler!r}")
     ops.SCHEDULER = scheduler
-    ops.reserve_sms = _first_only if extra else _RESERVE_SMS
     try:
         with contextlib.nullcontext() if a2a else _no_layer_a2a():
             yield
     finally:
-        ops.SCHEDULER, ops.reserve_sms = "auto", _RESERVE_SMS
+        ops.SCHEDULER = "auto"
 
 
 def _grads(x, routing, group, E, comm_sms, scheduler: str) -> list[torch.Tensor]:
@@ -77,7 +64,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--comm-sms", type=int, default=32)
     p.add_argument("--tokens", type=int, default=ISSUE4[0], help="T per rank (the other sizes: issue 4's)")
-    p.add_argument("--settings", default="static,auto,dynamic", help="comma list: scheduler[+wfirst]")
+    p.add_argument("--settings", default="static,auto,dynamic", help=f"comma list of {ops.SCHEDULERS}")
     args = p.parse_args()
     schedulers = args.settings.split(",")
     device, rank, P = init_ranks()
