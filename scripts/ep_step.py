@@ -1,10 +1,12 @@
 """The interleaved EP step of the issue-4 size for the device scripts (``gpu_a2a_host_cost.py``,
-``gpu_host_skew.py``, ``gpu_launch_cache_ab.py``): this rank's random top-K routing, tokens, local experts and
-output gradient, and a callable that runs one ``ep_forward_backward`` (schedule 1i) on them; and the scripts'
+``gpu_host_skew.py``, ``gpu_launch_cache_ab.py``, ``gpu_scheduler_ab.py``): this rank's random top-K routing,
+tokens, local experts and output gradient, and a callable that runs one ``ep_forward_backward`` (schedule 1i) on
+them; the results of two interleaved micro-batches (for the A/B scripts' bitwise checks); and the scripts'
 process-group setup under torchrun. Imported as a sibling module: torchrun puts ``scripts/`` on ``sys.path``."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -60,3 +62,32 @@ def interleaved_step(device: torch.device, comm_sms: int, sizes=ISSUE4, dtype=to
 
     step.inputs = (x, routing, kw["group"], E)
     return step
+
+
+def interleaved_results(x, routing, group, E: int, comm_sms: int) -> list[torch.Tensor]:
+    """Output and gradients of two interleaved micro-batches from a fresh state (fixed weights and output
+    gradient): A's forward, B's forward with A's backward, B's backward. For bitwise checks between settings."""
+    T, D = x.shape
+    L = E // dist.get_world_size()
+    g = torch.Generator(device="cpu").manual_seed(11)
+    w1 = (torch.randn(L, 512, D, generator=g) / D**0.5).to(x)
+    w2 = (torch.randn(L, D, 256, generator=g) / 256**0.5).to(x)
+    grad = torch.randn(T, D, generator=g).to(x)
+    kw = dict(group=group, num_experts=E, comm_sms=comm_sms)
+    _, st = interleave.ep_forward(x, routing, w1, w2, **kw)
+    out, st2, gA = interleave.ep_forward_backward(st, grad, x, routing, w1, w2, **kw)
+    gB = interleave.ep_backward(st2, grad)
+    return [out, gA.dx_TD, gA.dscores_R, gA.dw1_EGD, gA.dw2_EDF, gB.dx_TD, gB.dw1_EGD]
+
+
+def report_and_finish(report: dict, out_dir: str, filename: str) -> int:
+    """Rank 0 prints ``report`` and writes it as JSON to ``out_dir/filename``; every rank leaves the group.
+    The A/B scripts' last step (returns their exit code)."""
+    if dist.get_rank() == 0:
+        print(json.dumps(report, indent=1))
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, filename), "w") as f:
+            json.dump(report, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0

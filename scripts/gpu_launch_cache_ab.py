@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 
 import torch
 import torch.distributed as dist
-from ep_step import ISSUE4, init_ranks, interleaved_step
+from ep_step import ISSUE4, init_ranks, interleaved_results, interleaved_step, report_and_finish
 from sonic_megatron.kernels.cute import ops
-from sonic_megatron.token_dispatch import interleave
 from sonic_megatron.token_dispatch.plan import make_plan
 
 from sonic_megatron.bench.layer import _a2a_alone, _median, _no_layer_a2a, _paired, _timed_rounds
@@ -39,22 +37,6 @@ def _setting(cache: bool, a2a: bool):
             yield
     finally:
         ops.LAUNCHES.enabled = True
-
-
-def _grads(x, routing, group, E, comm_sms, cache: bool) -> list[torch.Tensor]:
-    """Output and gradients of two interleaved micro-batches (fresh state), cache on or off."""
-    T, D = x.shape
-    L = E // dist.get_world_size()
-    g = torch.Generator(device="cpu").manual_seed(11)
-    w1 = (torch.randn(L, 512, D, generator=g) / D**0.5).to(x)
-    w2 = (torch.randn(L, D, 256, generator=g) / 256**0.5).to(x)
-    grad = torch.randn(T, D, generator=g).to(x)
-    kw = dict(group=group, num_experts=E, comm_sms=comm_sms)
-    with _setting(cache, True):
-        _, st = interleave.ep_forward(x, routing, w1, w2, **kw)
-        out, st2, gA = interleave.ep_forward_backward(st, grad, x, routing, w1, w2, **kw)
-        gB = interleave.ep_backward(st2, grad)
-    return [out, gA.dx_TD, gA.dscores_R, gA.dw1_EGD, gA.dw2_EDF, gB.dx_TD, gB.dw1_EGD]
 
 
 def _host_profile(steps: dict, rank: int, out: str) -> None:
@@ -108,14 +90,11 @@ def main() -> int:
     variants["a2a"] = (_a2a_alone(plan, x, device), contextlib.nullcontext)
     timing = _timed_rounds(variants, device, 5, args.rounds)
     t_a2a = _median(timing.pop("a2a")[0])
-    same = all(
-        torch.equal(a, b)
-        for a, b in zip(
-            _grads(x, routing, group, E, args.comm_sms, True),
-            _grads(x, routing, group, E, args.comm_sms, False),
-            strict=True,
-        )
-    )
+    results = {}
+    for cache in (True, False):
+        with _setting(cache, True):
+            results[cache] = interleaved_results(x, routing, group, E, args.comm_sms)
+    same = all(torch.equal(a, b) for a, b in zip(results[True], results[False], strict=True))
     flag = torch.tensor([0.0 if same else 1.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     report = {"P": P, "T": args.tokens, "comm_sms": args.comm_sms, "rounds": args.rounds, "a2a_alone_ms": t_a2a * 1e3}
@@ -146,14 +125,7 @@ def main() -> int:
         "no a2a": _paired(timing[(False, False)][0], timing[(False, True)][0]) * 1e3,
         "host, with a2a": _paired(timing[(True, False)][1], timing[(True, True)][1]) * 1e3,
     }
-    if rank == 0:
-        print(json.dumps(report, indent=1))
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"launch_cache_ab_ep{P}_T{args.tokens}.json"), "w") as f:
-            json.dump(report, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return report_and_finish(report, args.out, f"launch_cache_ab_ep{P}_T{args.tokens}.json")
 
 
 if __name__ == "__main__":

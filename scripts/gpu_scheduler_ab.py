@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 
 import torch
 import torch.distributed as dist
-from ep_step import ISSUE4, init_ranks, interleaved_step
+from ep_step import ISSUE4, init_ranks, interleaved_results, interleaved_step, report_and_finish
 from sonic_megatron.kernels.cute import ops
-from sonic_megatron.token_dispatch import interleave
 from sonic_megatron.token_dispatch.plan import make_plan
 
 from sonic_megatron.bench.layer import _a2a_alone, _median, _no_layer_a2a, _paired, _timed_rounds
@@ -40,22 +37,6 @@ def _setting(scheduler: str, a2a: bool):
             yield
     finally:
         ops.SCHEDULER = "auto"
-
-
-def _grads(x, routing, group, E, comm_sms, scheduler: str) -> list[torch.Tensor]:
-    """Output and gradients of two interleaved micro-batches (fresh state) under one scheduler setting."""
-    T, D = x.shape
-    L = E // dist.get_world_size()
-    g = torch.Generator(device="cpu").manual_seed(11)
-    w1 = (torch.randn(L, 512, D, generator=g) / D**0.5).to(x)
-    w2 = (torch.randn(L, D, 256, generator=g) / 256**0.5).to(x)
-    grad = torch.randn(T, D, generator=g).to(x)
-    kw = dict(group=group, num_experts=E, comm_sms=comm_sms)
-    with _setting(scheduler, True):
-        _, st = interleave.ep_forward(x, routing, w1, w2, **kw)
-        out, st2, gA = interleave.ep_forward_backward(st, grad, x, routing, w1, w2, **kw)
-        gB = interleave.ep_backward(st2, grad)
-    return [out, gA.dx_TD, gA.dscores_R, gA.dw1_EGD, gA.dw2_EDF, gB.dx_TD, gB.dw1_EGD]
 
 
 def main() -> int:
@@ -79,10 +60,12 @@ def main() -> int:
     variants["a2a"] = (_a2a_alone(plan, x, device), contextlib.nullcontext)
     timing = _timed_rounds(variants, device, 5, args.rounds)
     t_a2a = _median(timing.pop("a2a")[0])
-    want = _grads(x, routing, group, E, args.comm_sms, schedulers[0])
+    results = {}
+    for s in schedulers:
+        with _setting(s, True):
+            results[s] = interleaved_results(x, routing, group, E, args.comm_sms)
     same = all(
-        all(torch.equal(a, b) for a, b in zip(want, _grads(x, routing, group, E, args.comm_sms, s), strict=True))
-        for s in schedulers[1:]
+        all(torch.equal(a, b) for a, b in zip(results[schedulers[0]], results[s], strict=True)) for s in schedulers
     )
     flag = torch.tensor([0.0 if same else 1.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -101,14 +84,7 @@ def main() -> int:
             f"gain_vs_{base}_ms": _paired(timing[(True, base)][0], on) * 1e3,
             f"no_a2a_gain_vs_{base}_ms": _paired(timing[(False, base)][0], none) * 1e3,
         }
-    if rank == 0:
-        print(json.dumps(report, indent=1))
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"scheduler_ab_ep{P}_T{args.tokens}.json"), "w") as f:
-            json.dump(report, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return report_and_finish(report, args.out, f"scheduler_ab_ep{P}_T{args.tokens}.json")
 
 
 if __name__ == "__main__":
