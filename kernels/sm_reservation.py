@@ -7,7 +7,9 @@ Results never depend on it: only how many CTAs share a GEMM's tiles changes.
 ``reserve_sms(n, gemms=k)`` reserves only in the first k GEMMs launched inside: for a phase whose collective is
 shorter than the phase (two micro-batches interleaved), the later GEMMs take every SM. A CTA keeps its SM until
 it ends, so a NCCL kernel that started beside the first GEMM keeps running beside the next one, whose surplus CTAs
-wait for it; that costs less than running the whole phase on fewer SMs when the collective ends early in it.
+wait for it; that costs less than running the whole phase on fewer SMs when the collective ends early in it. The
+cute backend launches those later GEMMs (``past_reservation()``) with QuACK's dynamic tile scheduler, so the CTAs
+that wait take no tiles the running ones could take.
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ Weights stay in Megatron's layout (w1_EGD [E, 2F, D] with ``[gate ; up]`` rows, 
 gate/up pairs, so no weight is ever copied. H and dH live in the interleaved layout [R, (gate_f, up_f)...]
 that the gated epilogues produce; only this backend reads them. No host sync anywhere (varlen GEMMs read
 expert_offsets on the device). Under the default tile policy every GEMM launch goes through ``LAUNCHES``
-(kernels/launch_cache.py): QuACK's Python path on a call signature's first call, the compiled kernel directly after.
+(kernels/launch_cache.py): QuACK's Python path on a call signature's first call, the compiled kernel directly after;
+and the GEMMs that take every SM while a collective may still hold some (past the reserved launches of
+``reserve_sms(n, gemms=k)``) use QuACK's dynamic tile scheduler (``SCHEDULER``).
 """
 
 from __future__ import annotations
