@@ -162,6 +162,13 @@ def _semaphore(device):
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
+def _heuristic_launch(gemm: str, F: int, D: int, device):
+    """(tile config, tile counter) of a GEMM launched now under the heuristic policy: the counter (zeroed) when
+    the launch uses the dynamic tile scheduler (``SCHEDULER``), else None."""
+    dynamic = _dynamic()
+    return heuristic_config(gemm, F, D, dynamic), (_semaphore(device) if dynamic else None)
+
+
 def _clusters(config) -> int:
     """CTAs per cluster as QuACK's ``gemm`` sizes its grid (``gemm_act`` / ``gemm_dact``: without cluster_k)."""
     return config.cluster_m * config.cluster_n * config.cluster_k
@@ -185,9 +192,7 @@ def _gemm(
     added once by the one tile that owns it, so the result is deterministic; not with varlen-M)."""
     pol = policy()
     if pol == "heuristic":
-        dynamic = _dynamic()
-        config = heuristic_config(gemm, F, D, dynamic)
-        sem = _semaphore(A.device) if dynamic else None
+        config, sem = _heuristic_launch(gemm, F, D, A.device)
 
         def quack_path():
             qgemm.gemm_tuned.fn(
@@ -198,7 +203,7 @@ def _gemm(
                 cu_seqlens_k=cu_seqlens_k,
                 A_idx=A_idx,
                 add_to_output=add_to_output,
-                dynamic_scheduler=dynamic,
+                dynamic_scheduler=sem is not None,
                 config=config,
                 concat_layout=concat_layout,
             )
@@ -223,9 +228,7 @@ def _gemm(
 def _gemm_gated(F: int, A, B, preact_out, postact_out, activation, cu_seqlens_m, A_idx):
     pol = policy()
     if pol == "heuristic":
-        dynamic = _dynamic()
-        config = heuristic_config("up", F, A.shape[1], dynamic)
-        sem = _semaphore(A.device) if dynamic else None
+        config, sem = _heuristic_launch("up", F, A.shape[1], A.device)
 
         def quack_path():
             qgemm.gemm_gated_tuned.fn(
@@ -236,7 +239,7 @@ def _gemm_gated(F: int, A, B, preact_out, postact_out, activation, cu_seqlens_m,
                 activation=activation,
                 cu_seqlens_m=cu_seqlens_m,
                 A_idx=A_idx,
-                dynamic_scheduler=dynamic,
+                dynamic_scheduler=sem is not None,
                 config=config,
                 concat_layout=("B",),
             )
@@ -265,9 +268,7 @@ def _gemm_dgated(F: int, A, B, preact, dx_out, postact_out, colvec_scale, activa
     """dH GEMM; returns dS per row (fp32). Varlen-M with gathered A only (as ``backward_data`` calls it)."""
     pol = policy()
     if pol == "heuristic":
-        dynamic = _dynamic()
-        config = heuristic_config("dh", F, A.shape[1], dynamic)
-        sem = _semaphore(A.device) if dynamic else None
+        config, sem = _heuristic_launch("dh", F, A.shape[1], A.device)
         # The colvec reduction's per-(row, N tile) partials, which QuACK's gemm_dgated_tuned would allocate
         # itself: allocated here, so that the launch reads only our tensors (cacheable), and summed below as
         # gemm_dgated_tuned sums them.
@@ -289,7 +290,7 @@ def _gemm_dgated(F: int, A, B, preact, dx_out, postact_out, colvec_scale, activa
                 tile_K=config.tile_k,
                 pingpong=config.pingpong,
                 persistent=True,
-                is_dynamic_persistent=dynamic,
+                is_dynamic_persistent=sem is not None,
                 max_swizzle_size=config.max_swizzle_size,
                 colvec_scale=colvec_scale,
                 colvec_reduce=partial,
