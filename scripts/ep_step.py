@@ -1,11 +1,13 @@
 """The interleaved EP step of the issue-4 size for the device scripts (``gpu_a2a_host_cost.py``,
 ``gpu_host_skew.py``, ``gpu_launch_cache_ab.py``, ``gpu_scheduler_ab.py``): this rank's random top-K routing,
 tokens, local experts and output gradient, and a callable that runs one ``ep_forward_backward`` (schedule 1i) on
-them; the results of two interleaved micro-batches (for the A/B scripts' bitwise checks); and the scripts'
-process-group setup under torchrun. Imported as a sibling module: torchrun puts ``scripts/`` on ``sys.path``."""
+them; the results of two interleaved micro-batches (for the A/B scripts' bitwise checks); the A/B scripts' setting
+switch and report; and the scripts' process-group setup under torchrun. Imported as a sibling module: torchrun
+puts ``scripts/`` on ``sys.path``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -91,3 +93,18 @@ def report_and_finish(report: dict, out_dir: str, filename: str) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+@contextlib.contextmanager
+def setting(obj, name: str, value, a2a: bool):
+    """``obj.name = value`` inside (restored after), and with ``a2a`` False the layer's all-to-alls skipped
+    (``bench layer``'s ``no a2a`` reference): one variant of an A/B script."""
+    from sonic_megatron.bench.layer import _no_layer_a2a
+
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        with contextlib.nullcontext() if a2a else _no_layer_a2a():
+            yield
+    finally:
+        setattr(obj, name, saved)

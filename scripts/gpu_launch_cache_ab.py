@@ -22,21 +22,15 @@ import os
 
 import torch
 import torch.distributed as dist
-from ep_step import ISSUE4, init_ranks, interleaved_results, interleaved_step, report_and_finish
+from ep_step import ISSUE4, init_ranks, interleaved_results, interleaved_step, report_and_finish, setting
 from sonic_megatron.kernels.cute import ops
 from sonic_megatron.token_dispatch.plan import make_plan
 
-from sonic_megatron.bench.layer import _a2a_alone, _median, _no_layer_a2a, _paired, _timed_rounds
+from sonic_megatron.bench.layer import _a2a_alone, _median, _paired, _timed_rounds
 
 
-@contextlib.contextmanager
 def _setting(cache: bool, a2a: bool):
-    ops.LAUNCHES.enabled = cache
-    try:
-        with contextlib.nullcontext() if a2a else _no_layer_a2a():
-            yield
-    finally:
-        ops.LAUNCHES.enabled = True
+    return setting(ops.LAUNCHES, "enabled", cache, a2a)
 
 
 def _host_profile(steps: dict, rank: int, out: str) -> None:

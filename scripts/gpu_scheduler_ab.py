@@ -20,23 +20,15 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from ep_step import ISSUE4, init_ranks, interleaved_results, interleaved_step, report_and_finish
+from ep_step import ISSUE4, init_ranks, interleaved_results, interleaved_step, report_and_finish, setting
 from sonic_megatron.kernels.cute import ops
 from sonic_megatron.token_dispatch.plan import make_plan
 
-from sonic_megatron.bench.layer import _a2a_alone, _median, _no_layer_a2a, _paired, _timed_rounds
+from sonic_megatron.bench.layer import _a2a_alone, _median, _paired, _timed_rounds
 
 
-@contextlib.contextmanager
 def _setting(scheduler: str, a2a: bool):
-    if scheduler not in ops.SCHEDULERS:
-        raise ValueError(f"--settings: each setting must be one of {ops.SCHEDULERS}, got {scheduler!r}")
-    ops.SCHEDULER = scheduler
-    try:
-        with contextlib.nullcontext() if a2a else _no_layer_a2a():
-            yield
-    finally:
-        ops.SCHEDULER = "auto"
+    return setting(ops, "SCHEDULER", scheduler, a2a)
 
 
 def main() -> int:
@@ -48,6 +40,8 @@ def main() -> int:
     p.add_argument("--settings", default="static,auto,dynamic", help=f"comma list of {ops.SCHEDULERS}")
     args = p.parse_args()
     schedulers = args.settings.split(",")
+    if not set(schedulers) <= set(ops.SCHEDULERS):
+        p.error(f"--settings: each setting must be one of {ops.SCHEDULERS}, got {args.settings!r}")
     device, rank, P = init_ranks()
     sizes = (args.tokens, *ISSUE4[1:])
     sms = {True: args.comm_sms, False: 0}  # the no-a2a reference reserves no SMs, as bench layer's
