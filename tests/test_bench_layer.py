@@ -8,6 +8,7 @@ from _dist import run_distributed
 from sonic_megatron.token_dispatch import comm, exchange
 
 from sonic_megatron.bench import layer as B
+from sonic_megatron.bench import layer_profile, layer_timing
 
 
 def _k(name: str, ts: float, dur: float) -> dict:
@@ -25,10 +26,10 @@ def test_a2a_under_kernels_counts_only_time_under_compute_kernels():
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy", "ts": 0, "dur": 30},  # not a compute kernel
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 30},
     ]
-    ms, share = B._a2a_under_kernels(events)
+    ms, share = layer_profile.a2a_under_kernels(events)
     assert ms == pytest.approx(14 / 1e3)
     assert share == pytest.approx((5 + 2) / 14)
-    assert B._a2a_under_kernels([_k("gemm", 0, 1)]) == (0.0, 0.0)
+    assert layer_profile.a2a_under_kernels([_k("gemm", 0, 1)]) == (0.0, 0.0)
 
 
 def _no_a2a_worker(rank, world_size):
@@ -43,7 +44,7 @@ def _no_a2a_worker(rank, world_size):
     w1 = torch.randn(E // world_size, 2 * F, D, generator=g, dtype=torch.float64)
     w2 = torch.randn(E // world_size, D, F, generator=g, dtype=torch.float64)
     kw = dict(group=torch.distributed.group.WORLD, num_experts=E, backend="torch")
-    with B._no_layer_a2a():
+    with layer_timing.no_layer_a2a():
         skipped = exchange.all_to_all is not comm.all_to_all
         expert_parallel_experts(x, routing, w1, w2, **kw)  # completes on every rank: no collective left unpaired
     return skipped, exchange.all_to_all is comm.all_to_all and exchange.send_recv is comm.send_recv
@@ -55,18 +56,18 @@ def test_no_layer_a2a_skips_the_layer_exchanges_and_restores_them():
 
 
 def test_schedule_entries():
-    assert [B._schedule(t) for t in ("1", "2s", " 4i ")] == [(1, ""), (2, "s"), (4, "i")]
-    assert B._label((2, "i")) == "2i"
+    assert [layer_timing.parse_schedule(t) for t in ("1", "2s", " 4i ")] == [(1, ""), (2, "s"), (4, "i")]
+    assert layer_timing.schedule_label((2, "i")) == "2i"
     for bad in ("0", "i", "2x", "1si"):
         with pytest.raises(SystemExit, match="--chunks"):
-            B._schedule(bad)
+            layer_timing.parse_schedule(bad)
 
 
 def test_paired_difference_is_the_median_of_per_round_differences():
     # blocks drift (round 3 is slow for both variants); the paired median ignores the drift
     on, none = [5.0, 5.1, 9.0, 5.0, 5.2], [4.0, 4.0, 8.1, 4.1, 4.0]
-    assert B._paired(on, none) == pytest.approx(1.0)
-    assert B._median([3.0, 1.0, 2.0]) == 2.0
+    assert layer_timing.paired(on, none) == pytest.approx(1.0)
+    assert layer_timing.median([3.0, 1.0, 2.0]) == 2.0
 
 
 def _bench_layer_worker(

@@ -27,8 +27,8 @@ round). Per overlap-on variant:
     overlap_gain = clip(median over rounds of (t_off - t_on) / t_a2a(s), 0, 1):
                    what the overlap schedule buys over waiting for each all-to-all at once ("overlap off": same
                    kernels, same bits, all SMs to the GEMMs).
-Per-round (paired) differences matter: the layer is host-bound at the issue-4 size, and blocks of calls timed
-seconds apart drifted by up to 1 ms on the same machine (docs/PERF.md section 2, session 7).
+Per-round (paired) differences matter: the layer is host-bound at the size above, and blocks of calls timed
+seconds apart drift by up to 1 ms on the same machine (docs/PERF.md).
 When the layer is host-bound (host_ms close to ms) the all-to-alls also hide in GPU gaps left by the host, which
 a2a_hidden counts and overlap_gain mostly does not; ``--profile`` adds the kernel-level share (all-to-all kernel
 time during which a compute kernel runs on the GPU, from the trace), which counts only hiding behind kernels.
@@ -48,21 +48,23 @@ rank 0, a table of the ``ep.*`` phase ranges and the top kernels (device and hos
 Router and token rounding are outside the timed region (both providers get the same top-K routing).
 On CPUs (``--device cpu``, gloo) Megatron's dispatcher runs under ``megatron_compat.patch_megatron_for_cpu`` (fake
 CUDA streams etc.); use tiny sizes there -- it checks the plumbing, not speed.
+Modules: ``layer_timing`` (schedules, interleaved rounds, the two all-to-all references), ``layer_baseline``
+(Megatron's dispatcher + grouped_mm experts), ``layer_profile`` (--profile, --host-profile, --count-ops).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import types
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from .common import print_table, write_json
 from .dispatch import DTYPES, add_common_arguments, random_routing, setup_distributed, timed
+from .layer_baseline import build_megatron_dispatcher, megatron_layer
+from .layer_profile import count_ops, host_profile, kernel_profile
+from .layer_timing import a2a_alone, median, no_layer_a2a, paired, parse_schedule, schedule_label, timed_rounds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,323 +107,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="only count ours' host work per chunk count (would-be kernel launches, collectives, host syncs of "
         "make_plan, forward, backward; token_dispatch.launch_count) instead of timing; works on CPU/gloo",
     )
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Baseline: Megatron's alltoall dispatcher + torch._grouped_mm experts
-# ---------------------------------------------------------------------------------------------------------
-
-
-def build_megatron_dispatcher(args, device, group, P: int, rank: int):
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-
-    if device.type == "cpu":
-        from ..megatron_compat import patch_megatron_for_cpu
-
-        patch_megatron_for_cpu()
-    self_groups = [dist.new_group([r]) for r in range(P)]  # every rank creates every group
-    pg = types.SimpleNamespace(ep=group, expt_tp=self_groups[rank], tp_ep=group, tp=self_groups[rank])
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=args.hidden,
-        num_attention_heads=1,
-        num_moe_experts=args.experts,
-        moe_router_topk=args.topk,
-        moe_ffn_hidden_size=args.ffn,
-        expert_model_parallel_size=P,
-        moe_token_dispatcher_type="alltoall",
-        moe_router_dtype="fp32",
-        add_bias_linear=False,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        bf16=args.dtype == "bf16",
-        params_dtype=DTYPES[args.dtype],
-        use_cpu_initialization=device.type == "cpu",
-    )
-    L = args.experts // P
-    return MoEAlltoAllTokenDispatcher(L, list(range(rank * L, (rank + 1) * L)), config, pg_collection=pg)
-
-
-def grouped_mm_experts(tokens, tokens_per_expert, probs, w1_LDG, w2_LFD):
-    """Megatron-GroupedMLP-like experts: fc1 -> SwiGLU * prob -> fc2 with torch._grouped_mm."""
-    counts = torch.as_tensor(tokens_per_expert).to(device=tokens.device, dtype=torch.int32)
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    h = torch._grouped_mm(tokens, w1_LDG, offs=offs)
-    g, u = h.chunk(2, dim=-1)
-    a = (F.silu(g.float()) * u.float() * probs.float()[:, None]).to(tokens.dtype)
-    return torch._grouped_mm(a, w2_LFD, offs=offs)
-
-
-def megatron_layer(disp, x, routing_map, probs_TE, w1_LDG, w2_LFD):
-    tokens, p = disp.dispatch_preprocess(x, routing_map, probs_TE)
-    tokens, p = disp.token_dispatch(tokens, p)
-    tokens, tpe, p = disp.dispatch_postprocess(tokens, p)
-    y = grouped_mm_experts(tokens, tpe, p, w1_LDG, w2_LFD)
-    y = disp.combine_preprocess(y)
-    y = disp.token_combine(y)
-    return disp.combine_postprocess(y)
-
-
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _a2a_alone(plan, x, device):
-    """A call of the layer's all-to-alls alone with this plan (its stages): forward rows to the experts and
-    rows back, backward dO rows to the experts and dX rows + dS back. (The forward's scores ride in the
-    plan's pair-metadata all-to-all, which is part of the plan, not timed here.)"""
-    from ..token_dispatch import exchange as X
-    from ..token_dispatch.comm import Pending
-    from ..token_dispatch.stepwise import _all_rows, _all_rows_back
-
-    send = x.index_select(0, plan.send_token_idx_S)
-    recv = _all_rows(plan, send)
-    s_send = torch.zeros(plan.send_pair_idx.numel(), dtype=torch.float32, device=device)
-    s_recv = s_send.new_empty(plan.num_recv_pairs)
-
-    def scores_back():
-        pend = Pending()
-        for i in range(plan.num_stages):
-            X.pairs_to_sources(plan, X.recv_pairs(plan, s_recv, i), s_send, i, pend)
-        pend.wait()
-
-    def fn():
-        _all_rows(plan, send)  # forward dispatch
-        _all_rows_back(plan, recv)  # forward combine
-        _all_rows(plan, send)  # backward dO
-        _all_rows_back(plan, recv)  # backward dX
-        scores_back()
-
-    return fn
-
-
-SCHEDULE_KINDS = ("", "s", "i")  # token chunks, by source, two micro-batches interleaved
-
-
-def _schedule(text: str) -> tuple[int, str]:
-    """``--chunks`` entry: ``N`` (token chunks), ``Ns`` (N chunks, each split by source rank) or ``Ni`` (N
-    chunks, two micro-batches interleaved): (N, kind)."""
-    t = text.strip()
-    kind = t[-1:] if t[-1:] in SCHEDULE_KINDS[1:] else ""
-    n = t[: len(t) - len(kind)]
-    if not n.isdigit() or int(n) < 1:
-        raise SystemExit(f"--chunks: each entry must be N, Ns or Ni with N >= 1 (e.g. 1,2,1s,1i), got {text!r}")
-    return int(n), kind
-
-
-def _label(sched: tuple[int, str]) -> str:
-    return f"{sched[0]}{sched[1]}"
-
-
-@contextlib.contextmanager
-def _no_layer_a2a():
-    """Skip the layer's own all-to-alls / exchanges (token_dispatch.exchange's), not the plan's collectives: the
-    ``no a2a`` reference of a2a_hidden. Receive buffers keep stale contents; timing only."""
-    from ..token_dispatch import exchange
-
-    saved = exchange.all_to_all, exchange.send_recv
-    exchange.all_to_all = lambda *a, **k: None
-    exchange.send_recv = lambda *a, **k: []
-    try:
-        yield
-    finally:
-        exchange.all_to_all, exchange.send_recv = saved
-
-
-def _timed_rounds(variants: dict, device, warmup: int, rounds: int) -> dict:
-    """Interleaved timing: each round runs every variant once, in order, each call from an idle device after a
-    barrier. Returns, per variant key, (seconds per round, host seconds per round until the call returned), each
-    the max over ranks of that round. Interleaving puts all variants under the same host and clock conditions,
-    so the difference of two variants is taken round by round (paired) instead of between blocks of calls
-    measured seconds apart (the layer is host-bound at the issue-4 size, and blocks drifted by up to 1 ms).
-    ``variants``: key -> (fn, context factory entered around each call, e.g. ``_no_layer_a2a``)."""
-    import time
-
-    from .dispatch import sync
-
-    for fn, ctx in variants.values():
-        with ctx():
-            for _ in range(warmup):
-                fn()
-    times = torch.zeros(len(variants), rounds, 2, dtype=torch.float64)
-    for r in range(rounds):
-        for v, (fn, ctx) in enumerate(variants.values()):
-            with ctx():
-                sync(device)
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn()
-                t_host = time.perf_counter() - t0
-                sync(device)
-                times[v, r, 0], times[v, r, 1] = time.perf_counter() - t0, t_host
-    times = times.to(device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    times = times.cpu()
-    return {key: (times[v, :, 0].tolist(), times[v, :, 1].tolist()) for v, key in enumerate(variants)}
-
-
-def _median(xs) -> float:
-    import statistics
-
-    return statistics.median(xs)
-
-
-def _paired(a: list[float], b: list[float]) -> float:
-    """Median over rounds of a[r] - b[r]."""
-    return _median([x - y for x, y in zip(a, b, strict=True)])
-
-
-def _profile(fn, chunks: int, steps: int, out_dir: str, rank: int, device) -> None:
-    """torch.profiler over ``steps`` calls; rank 0 writes the phase/kernel table and a Chrome trace."""
-    import os
-
-    from torch.profiler import ProfilerActivity, profile
-
-    from .dispatch import sync
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sync(device)
-    dist.barrier()
-    with profile(activities=acts) as prof:
-        for _ in range(steps):
-            fn()
-        sync(device)
-    if rank != 0:
-        return
-    os.makedirs(out_dir, exist_ok=True)
-    dev_key = "device_time_total" if device.type == "cuda" else "cpu_time_total"
-    avgs = prof.key_averages()
-    lines = [f"profile chunks={chunks}, overlap on, {steps} steps, rank 0 (times are totals over the steps)"]
-    lines.append(f"{'name':60s} {'calls':>6s} {'host ms':>9s} {'device ms':>10s}")
-    rows = sorted(avgs, key=lambda e: getattr(e, dev_key, 0.0), reverse=True)
-    phases = [e for e in rows if e.key.startswith("ep.")]
-    others = [e for e in rows if not e.key.startswith("ep.")][:30]
-    for title, group in (("-- phases (ep.* ranges)", phases), ("-- top ops/kernels by device time", others)):
-        lines.append(title)
-        for e in group:
-            dev_us = getattr(e, dev_key, 0.0)
-            lines.append(f"{e.key[:60]:60s} {e.count:6d} {e.cpu_time_total / 1e3:9.3f} {dev_us / 1e3:10.3f}")
-    trace = os.path.join(out_dir, f"trace_chunks{chunks}_rank0.json")
-    prof.export_chrome_trace(trace)
-    with open(trace) as f:
-        a2a_ms, share = _a2a_under_kernels(json.load(f)["traceEvents"])
-    lines.append(
-        f"-- all-to-all kernels: {a2a_ms / steps:.3f} ms per step, {share:.1%} of it with a compute kernel running"
-    )
-    text = "\n".join(lines)
-    print(text, flush=True)
-    with open(os.path.join(out_dir, f"profile_chunks{chunks}.txt"), "w") as f:
-        f.write(text + "\n")
-
-
-def _a2a_under_kernels(events: list[dict]) -> tuple[float, float]:
-    """(ms of all-to-all kernels, share of that time during which some compute kernel runs) from a Chrome
-    trace: NCCL send/recv kernels (the all-to-alls, including the plan's pair-metadata one; the all-gather is
-    excluded) against the union of every non-NCCL kernel's interval."""
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
-    comm = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "SendRecv" in e["name"]]
-    merged: list[list[float]] = []
-    for a, b in sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    total = sum(b - a for a, b in comm)
-    covered = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm for c, d in merged)
-    return total / 1e3, (covered / total if total else 0.0)
-
-
-def _host_profile(fn, label: str, steps: int, out_dir: str, rank: int, device) -> None:
-    """cProfile over ``steps`` calls; rank 0 writes the functions by cumulative and by own time. cProfile
-    inflates Python-heavy code, so read shares, not absolute times (``host_ms`` is the unprofiled number)."""
-    import cProfile
-    import io
-    import os
-    import pstats
-
-    from .dispatch import sync
-
-    sync(device)
-    dist.barrier()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        fn()
-    prof.disable()
-    sync(device)
-    if rank != 0:
-        return
-    buf = io.StringIO()
-    buf.write(f"cProfile of ours, schedule {label}, overlap on, {steps} steps, rank 0\n")
-    stats = pstats.Stats(prof, stream=buf)
-    stats.sort_stats("cumulative").print_stats(60)
-    stats.sort_stats("tottime").print_stats(40)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"host_profile_{label}.txt"), "w") as f:
-        f.write(buf.getvalue())
-    print(buf.getvalue()[:6000], flush=True)
-
-
-class _RegionOps:
-    """A kernels backend whose calls are tallied under the "experts" region of the counter ``holder[0]``."""
-
-    def __init__(self, ops, holder: list) -> None:
-        self._ops, self._holder = ops, holder
-
-    def __getattr__(self, name):
-        fn = getattr(self._ops, name)
-        if name not in ("forward", "backward_data", "backward_weights"):
-            return fn
-
-        def call(*a, **k):
-            with self._holder[0].region("experts"):
-                return fn(*a, **k)
-
-        return call
-
-
-def _count_ops(layer_call, plan_call, grad, chunk_list) -> list[dict]:
-    """This rank's host-work counts of ours per chunk count (see the module docstring)."""
-    from ..token_dispatch import layer as layer_mod
-    from ..token_dispatch.launch_count import LaunchCounter
-
-    rows = []
-    resolve = layer_mod.resolve_backend
-    holder: list = [None]  # the counter that the experts' calls report to (forward, then backward)
-    layer_mod.resolve_backend = lambda *a, **k: _RegionOps(resolve(*a, **k), holder)
-    try:
-        for chunks in chunk_list:
-            holder[0] = LaunchCounter()
-            layer_call(chunks).backward(grad)  # warm-up: lazy imports and first-call work are not per-call cost
-            with LaunchCounter() as lc_plan:
-                plan_call(chunks)
-            lc_fwd = holder[0] = LaunchCounter()
-            with lc_fwd:
-                out = layer_call(chunks)
-            lc_bwd = holder[0] = LaunchCounter()
-            with lc_bwd:
-                out.backward(grad)
-            p, f, b = lc_plan.summary(), lc_fwd.summary(), lc_bwd.summary()
-            rows.append(
-                dict(
-                    chunks=chunks,
-                    plan_launches=p["launches"],
-                    plan_collectives=p["collectives"],
-                    plan_syncs=p["syncs"],
-                    fwd_launches=f["launches"],
-                    fwd_experts=f.get("launches[experts]", 0),
-                    fwd_collectives=f["collectives"],
-                    fwd_syncs=f["syncs"],
-                    sync_to_row_a2a=f.get("launches_sync_to_row_a2a"),
-                    bwd_launches=b["launches"],
-                    bwd_experts=b.get("launches[experts]", 0),
-                    bwd_collectives=b["collectives"],
-                    bwd_syncs=b["syncs"],
-                )
-            )
-    finally:
-        layer_mod.resolve_backend = resolve
-    return rows
 
 
 def run(args) -> int:
@@ -489,7 +174,7 @@ def run(args) -> int:
         out = fn().detach()
         return [out] + [t.grad.clone() for t in (x, scores, w1, w2)]
 
-    sched_list = [_schedule(c) for c in args.chunks.split(",") if c.strip()]
+    sched_list = [parse_schedule(c) for c in args.chunks.split(",") if c.strip()]
     sms_list = [int(v) for v in args.comm_sms.split(",") if v.strip()]
     from ..token_dispatch.validation import SM_RESERVATIONS
 
@@ -520,7 +205,7 @@ def run(args) -> int:
                 num_chunks=chunks,
             )
 
-        rows = _count_ops(layer_call, plan_call, grad, chunk_list)
+        rows = count_ops(layer_call, plan_call, grad, chunk_list)
         if rank == 0:
             print(f"bench layer --count-ops: P={P} T={T} d={D} n={Fn} E={E} K={K} {args.dtype} on {device.type}")
             print_table(rows, list(rows[0]))
@@ -530,12 +215,12 @@ def run(args) -> int:
         dist.destroy_process_group()
         return 0
     first = None
-    for out_dir, profiler in ((args.profile, _profile), (args.host_profile, _host_profile)):
+    for out_dir, profiler in ((args.profile, kernel_profile), (args.host_profile, host_profile)):
         for sched in sched_list if out_dir else []:
             fn = ours(sched, True, max(sms_list))
             for _ in range(args.warmup):
                 fn()
-            profiler(fn, _label(sched), args.profile_steps, out_dir, rank, device)
+            profiler(fn, schedule_label(sched), args.profile_steps, out_dir, rank, device)
     t_a2a = {}
     for sched in sched_list:
         chunks, kind = sched
@@ -559,22 +244,22 @@ def run(args) -> int:
         pols = policies if kind == "i" else [None]
         variants = {("on", v, p): (ours(sched, True, v, p or "auto"), none) for v in sms_list for p in pols}
         variants[("off", 0, None)] = (ours(sched, False), none)
-        variants[("no a2a", 0, None)] = (ours(sched, True, 0), _no_layer_a2a)
-        variants["a2a"] = (_a2a_alone(plan, x0, device), none)
-        timing = _timed_rounds(variants, device, args.warmup, args.iters)
-        t_a2a[_label(sched)] = t_c = _median(timing.pop("a2a")[0])
+        variants[("no a2a", 0, None)] = (ours(sched, True, 0), no_layer_a2a)
+        variants["a2a"] = (a2a_alone(plan, x0, device), none)
+        timing = timed_rounds(variants, device, args.warmup, args.iters)
+        t_a2a[schedule_label(sched)] = t_c = median(timing.pop("a2a")[0])
         t_none, t_off = timing[("no a2a", 0, None)][0], timing[("off", 0, None)][0]
         for (overlap, comm_sms, policy), (total, host) in timing.items():
-            t = _median(total)
-            row = dict(provider="ours", chunks=_label(sched), comm_sms=comm_sms)
+            t = median(total)
+            row = dict(provider="ours", chunks=schedule_label(sched), comm_sms=comm_sms)
             if policy is not None:
                 row["sm_reservation"] = policy
                 if policy != "all" and ("on", comm_sms, "all") in timing:  # paired: what the policy saves
-                    row["vs_all_ms"] = _paired(timing[("on", comm_sms, "all")][0], total) * 1e3
+                    row["vs_all_ms"] = paired(timing[("on", comm_sms, "all")][0], total) * 1e3
             row.update(overlap=overlap if overlap == "no a2a" else overlap == "on")
-            row.update(ms=t * 1e3, host_ms=_median(host) * 1e3, tokens_per_s=P * T / t, a2a_alone_ms=t_c * 1e3)
+            row.update(ms=t * 1e3, host_ms=median(host) * 1e3, tokens_per_s=P * T / t, a2a_alone_ms=t_c * 1e3)
             if overlap == "on":
-                exposed, gain = _paired(total, t_none), _paired(t_off, total)
+                exposed, gain = paired(total, t_none), paired(t_off, total)
                 row["a2a_exposed_ms"] = exposed * 1e3
                 row["a2a_hidden"] = max(0.0, min(1.0, 1 - exposed / t_c)) if t_c > 0 else None
                 row["overlap_gain"] = max(0.0, min(1.0, gain / t_c)) if t_c > 0 else None
