@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Run one GPU pass script on the device machine and pack everything it writes into at most a few files under
-# $OUT (the device tool returns at most 8 files). Usage (first line of the device command must be
-# `source .devbundle/setup.sh`):   bash scripts/device_pass.sh <name> <command...>
-# Restores the carried compile cache (.cutecache/cutecache.tgz) first and ships the updated one back.
+# Run one GPU pass and pack everything it writes into a few files under $OUT: <name>-results.tgz (logs, JSON),
+# its *summary*.json files, and the updated compile cache (cutecache.tgz, when small). Restores a compile cache
+# left in .cutecache/cutecache.tgz first, so that a pass on a fresh machine starts warm.
+#
+#   source .devbundle/setup.sh; bash scripts/device_pass.sh ep python3 scripts/gpu_ep.py
 set -uo pipefail
 name=$1; shift
 final=${OUT:-$PWD/out}
@@ -13,7 +14,7 @@ export QUACK_CACHE_DIR=$CACHE/quack TRITON_CACHE_DIR=$CACHE/triton
 mkdir -p "$QUACK_CACHE_DIR" "$TRITON_CACHE_DIR"
 if [ -f "$CACHE/cutecache.tgz" ]; then tar -xzf "$CACHE/cutecache.tgz" -C "$CACHE" && rm "$CACHE/cutecache.tgz"; fi
 # Into a file, not through a pipe: a background process the command leaves running (nvidia-smi -l ...) would
-# keep a pipe open and hang the pass until the device call's time limit (it did once).
+# keep a pipe open and hang the pass until the caller's time limit.
 OUT=$work "$@" > "$work/$name-driver.log" 2>&1
 rc=$?
 tail -c 11000 "$work/$name-driver.log"

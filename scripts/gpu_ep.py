@@ -1,21 +1,19 @@
 #!/usr/bin/env python3
-"""Expert-parallel GPU pass in ONE device call (nvidia-h200-x4): NCCL equivalence checks at EP=2 and 4,
-then ``bench dispatch`` (EP=4) and ``bench layer`` (EP=2, 4) at per-rank (T,d,n,E,K) = (16384,1536,256,128,8).
+"""The expert-parallel GPU pass on one host with 4 GPUs: NCCL equivalence checks at EP=2 and 4, then
+``bench dispatch`` (EP=4) and ``bench layer`` (EP=4, EP=2, and EP=4 at 4x the tokens) at per-rank
+(T,d,n,E,K) = (16384,1536,256,128,8).
 
     source .devbundle/setup.sh; python scripts/gpu_ep.py            # logs + JSON under $OUT (default ./out)
 
 Each step runs as its own torchrun with a time limit; a failing or timed-out step is reported in
 $OUT/gpu_ep_summary.json and the next step still runs. The whole pass stays under TOTAL_S (default 470 s).
-Env: OUT, TOTAL_S, CACHE (QuACK/Triton compile caches, as scripts/gpu_experts.sh), EP_BACKEND (default: cute
-if importable, else torch), EP_CHUNKS (bench layer schedules at EP 4, default 1,1i; ``Ns`` = by source,
-``Ni`` = two micro-batches interleaved), EP_COMM_SMS (default 0,32), EP_BIG_TOKENS (a second, GPU-bound size
-at EP 4, default 65536; empty: skip), EP_BIG_CHUNKS (its schedules, default 1,1i,4), EP_AB_SEND=1 (also time EP 4
-with SONIC_MEGATRON_EP_SEND=torch), EP_LAYER_EP2=0 (skip bench layer at EP 2), EP_CHUNKS_EP2 (its schedules,
-default 1,1i), EP_LAYER_EXTRA (more bench layer arguments, default "--iters 40 --sm-reservation auto,all"),
-EP_PROFILE=DIR (bench layer at EP 4, both sizes, also runs --profile under DIR; the tables, with the all-to-all
-time under compute kernels, are copied to $OUT, the traces stay in DIR).
-EP_CHECK_CPU=1 runs the check worker on CPU/gloo at tiny sizes (to test this script:
-``EP_CHECK_CPU=1 torchrun --nproc_per_node 2 scripts/gpu_ep.py check --out /tmp``).
+Env: OUT, TOTAL_S, CACHE (QuACK/Triton compile caches, as scripts/gpu_experts.sh), EP_BACKEND (default auto),
+EP_CHUNKS (bench layer schedules at EP 4, default 1,1i; ``Ns`` = by source, ``Ni`` = two micro-batches
+interleaved), EP_COMM_SMS (default 0,32), EP_BIG_TOKENS (the GPU-bound size at EP 4, default 65536; empty: skip),
+EP_BIG_CHUNKS (its schedules, default 1,1i), EP_LAYER_EP2=0 (skip bench layer at EP 2), EP_CHUNKS_EP2 (its
+schedules, default 1,1i), EP_LAYER_EXTRA (more bench layer arguments, default "--iters 40 --sm-reservation auto,all").
+EP_CHECK_CPU=1 runs the pass on CPU/gloo at tiny sizes with the torch backend (to test this script:
+``EP_CHECK_CPU=1 EP_BIG_TOKENS= python scripts/gpu_ep.py``).
 
 Checks (``python scripts/gpu_ep.py check`` under torchrun, run by the steps above), per rank, bf16 experts and
 fp32 router probs, for random top-K, skewed (every token to experts 0..K-1 of rank 0: the other ranks receive
@@ -34,7 +32,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -103,15 +100,11 @@ def drive() -> int:
     chunks = os.environ.get("EP_CHUNKS", "1,1i")  # bench layer schedules (N, Ns = by source, Ni = interleaved)
     comm_sms = os.environ.get("EP_COMM_SMS", "0,32")
     big = os.environ.get("EP_BIG_TOKENS", "65536")  # a GPU-bound size as well ("" = skip)
-    big_chunks = os.environ.get("EP_BIG_CHUNKS", "1,1i,4")
+    big_chunks = os.environ.get("EP_BIG_CHUNKS", "1,1i")
     ep2_chunks = os.environ.get("EP_CHUNKS_EP2", "1,1i")
-    ab_send = os.environ.get("EP_AB_SEND") == "1"  # also time EP 4 with the PyTorch send side (A/B)
     layer = [*bench, "layer", "--backend", backend, "--comm-sms", comm_sms]
     layer += os.environ.get("EP_LAYER_EXTRA", "--iters 40 --sm-reservation auto,all").split()
-    profile = os.environ.get("EP_PROFILE")
     layer_ep4 = [*layer, *config, "--chunks", chunks, "--json", f"{out}/layer_ep4.json"]
-    tokens = config[config.index("--tokens") + 1]
-    layer_ep4 += ["--profile", os.path.join(profile, f"T{tokens}")] if profile else []
     steps = [
         ("check_ep2", torchrun(2, __file__, "check", "--out", out), 110),
         ("check_ep4", torchrun(4, __file__, "check", "--out", out), 110),
@@ -126,17 +119,12 @@ def drive() -> int:
                 90,
             )
         )
-    if ab_send:
-        torch_send = ["env", "SONIC_MEGATRON_EP_SEND=torch", *torchrun(4, *layer, *config, "--chunks", chunks)]
-        torch_send += ["--no-baseline", "--json", f"{out}/layer_ep4_torch_send.json"]
-        steps.insert(4, ("bench_layer_ep4_torch_send", torch_send, 150))
     if big:
         big_config = [big if v == CONFIG[1] else v for v in config]
         steps.append(
             (
                 f"bench_layer_ep4_T{big}",
-                torchrun(4, *layer, *big_config, "--chunks", big_chunks, "--no-baseline", "--json", f"{out}/big.json")
-                + (["--profile", os.path.join(profile, f"T{big}")] if profile else []),
+                torchrun(4, *layer, *big_config, "--chunks", big_chunks, "--no-baseline", "--json", f"{out}/big.json"),
                 180,
             )
         )
@@ -146,10 +134,6 @@ def drive() -> int:
             summary[name] = {"status": "skipped (time budget spent)"}
             continue
         _step(name, cmd, min(limit, left - 5), out, summary)
-    for folder, _, files in os.walk(profile) if profile else []:  # the tables only (traces are large)
-        for name in sorted(f for f in files if f.endswith(".txt")):
-            tag = os.path.relpath(folder, profile).replace(os.sep, "_")  # T<tokens per rank>
-            shutil.copy(os.path.join(folder, name), os.path.join(out, f"ep4_{tag}_{name}"))
     summary["total_seconds"] = round(time.time() - t0, 1)
     with open(os.path.join(out, "gpu_ep_summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

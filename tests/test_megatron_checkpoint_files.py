@@ -1,8 +1,8 @@
 """Real checkpoint directories: ``dist_checkpointing.save`` / ``load`` (torch_dist format, files on disk) along
-stock MoELayer (SequentialMLP) EP=2 -> Sonic EP=1 -> Sonic EP=2 -> stock EP=2 on two gloo ranks. The chain is
-the GPU ``ckpt`` step's worker (scripts/gpu_megatron.py, EP 4 -> 2 -> 1 -> 4 on 4 GPUs), so this also checks the
-GPU step's logic. After every load the expert and router weights must equal the original global weights
-bitwise, and the last hop's output on a fixed input must equal hop 0's.
+stock MoELayer (SequentialMLP) EP=2 -> Sonic EP=1 -> Sonic EP=2 -> stock EP=2 on two gloo ranks. The chain
+(``megatron_ckpt_chain``) is also the GPU pass's ``ckpt`` step (scripts/gpu_megatron.py, EP 4 -> 2 -> 1 -> 4 on 4
+GPUs), so this also checks the GPU step's logic. After every load the expert and router weights must equal the
+original global weights bitwise, and the last hop's output on a fixed input must equal hop 0's.
 
 The save used to hang on this CPU setup: megatron-core's writer process calls psutil (not one of its
 dependencies) outside its try block, dies without reporting, and the saving rank waits forever;
@@ -10,24 +10,15 @@ dependencies) outside its try block, dies without reporting, and the saving rank
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("gpu_megatron", os.path.join(ROOT, "scripts", "gpu_megatron.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from megatron_ckpt_chain import CKPT_CHAIN_2, ckpt_worker
 
 
 def _worker(rank, world, out):
-    summary = _script().ckpt_worker(rank, world, out, _script().CKPT_CHAIN_2)
+    summary = ckpt_worker(rank, world, out, CKPT_CHAIN_2)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(summary, f)
 
