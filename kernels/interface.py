@@ -12,7 +12,6 @@ Weights use Megatron's convention, stacked over the local experts:
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -73,9 +72,6 @@ def resolve_backend(backend: str, device: torch.device) -> ModuleType:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        env = os.environ.get("SONIC_MEGATRON_BACKEND")
-        if env:
-            return resolve_backend(env, device)
         reason = cute_unavailable_reason(device)
         if reason is None:
             backend = "cute"
@@ -187,13 +183,18 @@ def validate_inputs(
     if check_indices is None:
         check_indices = x_TD.device.type == "cpu"
     if check_indices and expert_idx.numel():
+        pad = int(isinstance(routing, FlatRouting) and routing.padded)  # padding pairs: expert E, token T
         lo, hi = int(expert_idx.min()), int(expert_idx.max())
-        if lo < 0 or hi >= E:
-            _fail("routing expert indices", f"in [0, E = {E})", f"values in [{lo}, {hi}]")
+        if lo < 0 or hi >= E + pad:
+            _fail(
+                "routing expert indices", f"in [0, E = {E}{' (E: padding)' if pad else ')'}", f"values in [{lo}, {hi}]"
+            )
         if token_idx is not None:
             lo, hi = int(token_idx.min()), int(token_idx.max())
-            if lo < 0 or hi >= T:
-                _fail("routing.token_idx_R", f"in [0, T = {T})", f"values in [{lo}, {hi}]")
+            if lo < 0 or hi >= T + pad:
+                _fail(
+                    "routing.token_idx_R", f"in [0, T = {T}{' (T: padding)' if pad else ')'}", f"values in [{lo}, {hi}]"
+                )
             if bool((token_idx[1:] < token_idx[:-1]).any()):
                 _fail("routing.token_idx_R", "sorted ascending", "an unsorted tensor")
 
@@ -253,6 +254,16 @@ def compute_metadata(
         return routing.scores_TK.reshape(-1), build_topk(routing.indices_TK, num_experts)
     token_idx_R, expert_idx_R, scores_R, token_offsets = flatten_routing(routing)
     build = getattr(ops, "compute_metadata", compute_metadata_torch)
+    if isinstance(routing, FlatRouting) and routing.padded:
+        # Padding pairs are expert E: they sort after every real row, past expert_offsets[E], where no GEMM
+        # reads; token T: past token_offsets[T], where no sum reads. Their gather index is clamped into x.
+        meta = build(token_idx_R, expert_idx_R, token_offsets, num_experts + 1)
+        last_token = max(routing.num_tokens - 1, 0)
+        return scores_R, dataclasses.replace(
+            meta,
+            expert_offsets=meta.expert_offsets[: num_experts + 1],
+            x_gather_idx=meta.x_gather_idx.clamp(max=last_token),
+        )
     meta = build(token_idx_R, expert_idx_R, token_offsets, num_experts)
     if isinstance(routing, TopKRouting):
         meta = dataclasses.replace(meta, pairs_per_token=routing.indices_TK.shape[1])
@@ -280,8 +291,7 @@ def moe_experts(
         w1_EGD: fc1 weights [E, G, D], G = 2F ``[gate ; up]`` for gated activations, else F.
         w2_EDF: fc2 weights [E, D, F].
         activation: one of ``swiglu`` (default), ``geglu``, ``relu2``, ``gelu``.
-        backend: ``auto`` (``cute`` on Hopper, else ``torch``), ``torch`` or ``cute``. The environment
-            variable SONIC_MEGATRON_BACKEND overrides ``auto``.
+        backend: ``auto`` (``cute`` on Hopper, else ``torch``), ``torch`` or ``cute``.
         check_indices: read index values back to validate their range and order (default: on CPU only).
         weight_grad_hook: called in backward with a function computing ``(dW1, dW2)``; returns what autograd
             gets for the weights (e.g. ``(None, None)`` after accumulating them elsewhere, or after deferring the

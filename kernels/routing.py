@@ -48,6 +48,10 @@ class FlatRouting:
     expert_idx_R: torch.Tensor
     scores_R: torch.Tensor
     num_tokens: int
+    # True: the real pairs are followed by padding pairs (token ``num_tokens``, expert E, score 0) that every
+    # backend skips. A routing decided on the device (token rounding) then has a host-known size, an upper
+    # bound, instead of a host sync to read its real pair count.
+    padded: bool = False
 
 
 Routing = TopKRouting | FlatRouting

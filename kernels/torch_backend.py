@@ -24,7 +24,7 @@ from .sm_reservation import check_reservation
 
 
 def reserve_sms(n: int, gemms: int | None = None) -> contextlib.AbstractContextManager:
-    """The backend contract's SM reservation (see ``cute/sm_budget.py``): a no-op here, PyTorch's kernels are
+    """The backend contract's SM reservation (see ``cute/quack_adapter.py``): a no-op here, PyTorch's kernels are
     not persistent, so a concurrent collective always finds SMs."""
     check_reservation(n, gemms)
     return contextlib.nullcontext()
@@ -68,6 +68,7 @@ def gather_sum(rows_RD: torch.Tensor, meta: RoutingMetadata, weights_R: torch.Te
     if weights_R is not None:
         pairs_RD = pairs_RD * weights_R.to(ct)[:, None]
     T = meta.token_offsets.numel() - 1
+    pairs_RD = pairs_RD[: int(meta.token_offsets[-1])]  # padding pairs (FlatRouting.padded) lie past the last token
     if pairs_RD.shape[0] == 0:
         return rows_RD.new_zeros(T, rows_RD.shape[1])
     out_TD = torch.segment_reduce(pairs_RD, "sum", offsets=meta.token_offsets.long(), axis=0, unsafe=True)

@@ -30,8 +30,9 @@ import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .config import SonicConfig
-from .kernels import TopKRouting
-from .token_dispatch import TokenRounding, combine, dispatch, make_plan
+from .kernels import FlatRouting, TopKRouting
+from .router import as_topk
+from .token_dispatch import TokenRounding, combine, dispatch, make_plan, round_local
 
 
 @dataclass
@@ -45,14 +46,19 @@ class PipelinedPlan:
     dense_probs_TE: torch.Tensor | None
 
 
-def topk_indices(routing_map_TE: torch.Tensor, k: int) -> torch.Tensor:
-    """The K expert ids of every token, ascending, from Megatron's bool routing map, without a host sync.
-    A row with fewer than K routed experts (padding tokens) gets unrouted ids whose prob is 0."""
-    keys = routing_map_TE.to(torch.int32) * routing_map_TE.shape[1] - torch.arange(
-        routing_map_TE.shape[1], device=routing_map_TE.device, dtype=torch.int32
-    )
-    idx_TK = torch.topk(keys, k, dim=1).indices
-    return torch.sort(idx_TK, dim=1).values
+@dataclass
+class LocalPlan:
+    """Expert-parallel size 1: no plan, no communication, no host sync. The routing (top-K, or the rounded flat
+    routing) goes straight to the local experts (``SonicExperts.compute``); dispatch and combine pass tensors
+    through. Its scores travel as the method arguments, as in the EP plan."""
+
+    routing: TopKRouting | FlatRouting
+
+    def with_scores(self, scores: torch.Tensor) -> TopKRouting | FlatRouting:
+        """The routing with the scores Megatron passed between the schedule's nodes (autograd link)."""
+        if isinstance(self.routing, TopKRouting):
+            return TopKRouting(scores, self.routing.indices_TK)
+        return dataclasses.replace(self.routing, scores_R=scores)
 
 
 class SonicTokenDispatcher(MoETokenDispatcher):
@@ -75,13 +81,12 @@ class SonicTokenDispatcher(MoETokenDispatcher):
         """Plan the dispatch. ``dense_probs_TE`` (router probabilities, with autograd) enables rounding."""
         self.hidden_shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, self.hidden_shape[-1])
-        if probs.dim() != 2 or routing_map.dim() != 2 or routing_map.dtype != torch.bool:
+        if probs.dim() != 2 or routing_map.dim() != 2:
             raise ValueError(
-                "SonicTokenDispatcher: probs and routing_map must be 2-D [T, E] (routing_map bool), got "
-                f"{tuple(probs.shape)} {tuple(routing_map.shape)} {routing_map.dtype}"
+                "SonicTokenDispatcher: probs and routing_map must be 2-D ([T, E] with a bool map, or top-K [T, K] "
+                f"with int64 indices), got {tuple(probs.shape)} {tuple(routing_map.shape)} {routing_map.dtype}"
             )
-        idx_TK = topk_indices(routing_map, self.topk)
-        scores_TK = probs.gather(1, idx_TK)
+        scores_TK, idx_TK = as_topk(probs, routing_map, self.topk)
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden_states)
         if self.pipelined:
@@ -90,6 +95,12 @@ class SonicTokenDispatcher(MoETokenDispatcher):
         rounding = None
         if dense_probs_TE is not None:
             rounding = self.rounding()
+        if self.group is None:  # EP = 1: the experts read the routing directly
+            routing = TopKRouting(scores_TK, idx_TK)
+            if rounding is not None:
+                routing = round_local(routing, dense_probs_TE, num_experts=self.num_experts, rounding=rounding)
+            self.plan = LocalPlan(routing)
+            return x_TH, routing.scores_TK if isinstance(routing, TopKRouting) else routing.scores_R
         self.plan = make_plan(
             TopKRouting(scores_TK, idx_TK),
             num_experts=self.num_experts,
@@ -110,7 +121,7 @@ class SonicTokenDispatcher(MoETokenDispatcher):
         return TokenRounding(mode=self.sonic.token_rounding, tile=self.sonic.rounding_tile)
 
     def token_dispatch(self, hidden_states, probs):
-        if isinstance(self.plan, PipelinedPlan):
+        if isinstance(self.plan, (PipelinedPlan, LocalPlan)):
             return hidden_states, probs
         # Dispatch the scores Megatron passed in (under the 1F1B overlap schedule: a detached copy of the
         # plan's scores), so autograd links between schedule nodes are only the tensors passed.
@@ -125,7 +136,7 @@ class SonicTokenDispatcher(MoETokenDispatcher):
         return hidden_states
 
     def token_combine(self, hidden_states, *args, **kwargs):
-        if isinstance(self.plan, PipelinedPlan):
+        if isinstance(self.plan, (PipelinedPlan, LocalPlan)):
             return hidden_states
         return combine(hidden_states, self.plan)
 

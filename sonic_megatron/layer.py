@@ -5,12 +5,15 @@ It keeps MoELayer's method split and ``forward`` (route -> preprocess -> dispatc
 ``moe`` recompute, shared-expert overlap and the 1F1B EP-overlap schedule (which calls these methods as
 separate nodes) work unchanged. What changes per method, with ``SonicConfig.dispatcher='sonic'``:
 
-* route: Megatron's router (``SonicRouter`` = TopKRouter with every option); with token rounding in
+* route: Megatron's router (``SonicRouter`` = TopKRouter with every option) in top-K format: a fused
+  top-K + softmax kernel where the options allow, TopKRouter's own path otherwise; with token rounding in
   training it also keeps the dense router probabilities.
 * preprocess / dispatch / combine / postprocess: ``SonicTokenDispatcher`` (token_dispatch underneath:
   each token crosses to a rank once, tile-aware token rounding, chunked overlap).
 * routed_experts_compute: the local experts of ``SonicExperts`` on the received tokens (Sonic kernels:
-  gather-fused up-projection, cached X and H only, per-token reduction before the combine).
+  gather-fused up-projection, cached X and H only, per-token reduction before the combine). At
+  expert-parallel size 1 there is nothing to dispatch: the experts read the router's top-K (or the rounded
+  routing) directly, with no plan, no copies and no host sync.
 
 With ``num_chunks > 1``, ``by_source`` or ``redispatch_x_in_backward`` (pipelined mode) routed_experts_compute runs
 token_dispatch's pipelined ``expert_parallel_experts`` (dispatch + experts + combine, chunk i's all-to-all
@@ -26,7 +29,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .config import SonicConfig, validate_megatron_config
-from .dispatcher import PipelinedPlan, SonicTokenDispatcher
+from .dispatcher import LocalPlan, PipelinedPlan, SonicTokenDispatcher
 from .experts import SonicExperts
 from .kernels import TopKRouting
 from .megatron_compat import accepted_kwargs, default_pg_collection
@@ -116,6 +119,7 @@ class SonicMoELayer(MoELayer):
         rounding = self._sonic_dispatch and self.sonic.rounding_enabled and self.training
         if isinstance(self.router, SonicRouter):
             self.router.keep_dense_probs = rounding
+            self.router.emit_topk = self._sonic_dispatch  # (scores [T, K], indices [T, K]) for our dispatcher
         probs, routing_map = super().route(hidden_states, padding_mask)
         self._dense_probs_TE = self.router.pop_dense_probs() if rounding else None
         return probs, routing_map
@@ -146,6 +150,8 @@ class SonicMoELayer(MoELayer):
         disp = self.token_dispatcher
         x_recv, _, scores_recv = disp.dispatch_postprocess(hidden_states, probs)
         plan = disp.plan
+        if isinstance(plan, LocalPlan):  # EP = 1: the experts on the routing itself, no plan, no copies
+            return self.experts.compute(x_recv, plan.with_scores(scores_recv)), None
         if isinstance(plan, PipelinedPlan):  # dispatch + experts + combine in one pipelined call
             out = expert_parallel_experts(
                 x_recv,

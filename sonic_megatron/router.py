@@ -1,8 +1,21 @@
-"""``SonicRouter``: Megatron's TopKRouter, unchanged (all its options: softmax/sigmoid scores, pre-softmax,
-top-k scaling, expert bias, group-limited routing, aux/seq-aux/global-aux and z-loss, input jitter), that
-also keeps the dense router probabilities of the last forward for token rounding.
+"""``SonicRouter``: Megatron's TopKRouter with a fused top-K path for the plugin's layer.
 
-Shape legend: T tokens (S/TP * B), E experts.
+Shape legend: T tokens (S/TP * B), E experts, K experts per token.
+
+Two outputs, one router:
+
+* **Megatron's format** (``emit_topk`` False, the default; every TopKRouter option): ``(probs [T, E],
+  routing_map [T, E] bool)`` from TopKRouter's own ``routing``.
+* **Top-K format** (``emit_topk`` True, set by ``SonicMoELayer`` whose dispatcher reads it): ``(scores [T, K],
+  indices [T, K] int64)``. Where the options allow (``fused_unsupported_reason`` is None), the logits go through
+  one fused top-K + softmax kernel (``kernels/triton/topk_softmax.py``) instead of TopKRouter's softmax,
+  ``torch.topk`` over [T, E], dense probs and a bool map that the layer would only turn back into [T, K]. Covered
+  exactly: softmax scores over the top-K logits (``moe_router_pre_softmax`` off) or over all logits (on), the top-K
+  scaling factor, z-loss and the aux / seq-aux / global-aux losses (Megatron's own loss functions on the same
+  statistics: dense softmax scores and the routed map). Anything else (sigmoid / sqrtsoftplus scores, expert bias,
+  group-limited routing, sinkhorn, router replay, a padding mask) takes TopKRouter's path and is converted to
+  top-K afterwards, so every option keeps working. Ties between equal logits: the fused kernel takes the lower
+  expert, ``torch.topk`` leaves the order unspecified.
 
 Token rounding adds (token, expert) pairs that top-K did not choose and drops chosen ones; it ranks both by
 the router's dense probability and gives added pairs that probability as their weight (SonicMoE does the
@@ -17,22 +30,110 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
+FUSED_ROUTING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+
+
+def topk_indices(routing_map_TE: torch.Tensor, k: int) -> torch.Tensor:
+    """The K expert ids of every token, ascending, from Megatron's bool routing map, without a host sync.
+    A row with fewer than K routed experts (padding tokens) gets unrouted ids whose prob is 0."""
+    keys = routing_map_TE.to(torch.int32) * routing_map_TE.shape[1] - torch.arange(
+        routing_map_TE.shape[1], device=routing_map_TE.device, dtype=torch.int32
+    )
+    idx_TK = torch.topk(keys, k, dim=1).indices
+    return torch.sort(idx_TK, dim=1).values
+
+
+def as_topk(probs: torch.Tensor, routing_map: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [T, K], indices [T, K]) from either router format (see the module docstring)."""
+    if routing_map.dtype != torch.bool:  # already top-K
+        return probs, routing_map
+    idx_TK = topk_indices(routing_map, k)
+    return probs.gather(1, idx_TK), idx_TK
+
 
 class SonicRouter(TopKRouter):
-    """TopKRouter recording ``dense_probs_TE`` when ``keep_dense_probs`` is set (by SonicMoELayer when
-    token rounding is on and the module is training)."""
+    """TopKRouter with the fused top-K path (``emit_topk``) and the dense probabilities for token rounding
+    (``keep_dense_probs``); both flags are set per forward by SonicMoELayer."""
 
     keep_dense_probs: bool = False
+    emit_topk: bool = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.dense_probs_TE: torch.Tensor | None = None
+        self._fused_reason = self._static_fused_reason()
 
+    # -- which path --------------------------------------------------------------------------------------
+    def _static_fused_reason(self) -> str | None:
+        cfg = self.config
+        if self.score_function != "softmax":
+            return f"moe_router_score_function={self.score_function!r} (fused: 'softmax')"
+        if self.routing_type not in FUSED_ROUTING_TYPES:
+            return f"moe_router_load_balancing_type={self.routing_type!r} (fused: {FUSED_ROUTING_TYPES})"
+        if getattr(self, "expert_bias", None) is not None:
+            return "moe_router_enable_expert_bias"
+        if getattr(cfg, "moe_router_num_groups", None):
+            return "moe_router_num_groups (group-limited routing)"
+        if getattr(cfg, "moe_expert_capacity_factor", None) is not None:
+            return "moe_expert_capacity_factor"
+        if getattr(self, "router_replay", None) is not None:
+            return "router replay"
+        if cfg.num_moe_experts > 4096:
+            return f"num_moe_experts={cfg.num_moe_experts} (fused: <= 4096)"
+        return None
+
+    def fused_unsupported_reason(self, logits: torch.Tensor, padding_mask: torch.Tensor | None) -> str | None:
+        """None when this forward can take the fused top-K path, else why not."""
+        if self._fused_reason is not None:
+            return self._fused_reason
+        if padding_mask is not None:
+            return "a padding mask"
+        if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"router logits dtype {logits.dtype} (fused: fp32, bf16, fp16)"
+        from .kernels.triton.topk_softmax import _kernel_runs_on
+
+        if not _kernel_runs_on(logits.device):
+            return f"device {logits.device} (the fused kernel runs on CUDA, or on CPU under TRITON_INTERPRET=1)"
+        return None
+
+    # -- routing -----------------------------------------------------------------------------------------
     def routing(self, logits: torch.Tensor, *args, **kwargs):
+        padding_mask = kwargs.get("padding_mask", args[0] if args else None)
+        if self.emit_topk and self.fused_unsupported_reason(logits, padding_mask) is None:
+            return self._fused_routing(logits)
         probs, routing_map = super().routing(logits, *args, **kwargs)
         if self.keep_dense_probs:
-            self.dense_probs_TE = self._dense_probs(logits, kwargs.get("padding_mask", args[0] if args else None))
+            self.dense_probs_TE = self._dense_probs(logits, padding_mask)
+        if self.emit_topk:
+            return as_topk(probs, routing_map, self.topk)
         return probs, routing_map
+
+    def _fused_routing(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """TopKRouter.routing's softmax top-K in one kernel; the losses through Megatron's own functions."""
+        from .kernels.triton.topk_softmax import topk_softmax
+
+        seq_length, bsz = logits.shape[:2]
+        logits_TE = self.apply_z_loss(logits.view(-1, self.config.num_moe_experts))
+        scores_TK, idx_TK = topk_softmax(logits_TE, self.topk)  # fp32 softmax over the K selected logits
+        with_aux = self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled()
+        dense_TE = None
+        if with_aux or self.config.moe_router_pre_softmax or self.keep_dense_probs:
+            dense_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        if self.config.moe_router_pre_softmax:  # Megatron: top-K of softmax over all experts, no renormalising
+            scores_TK = dense_TE.type_as(logits_TE).gather(1, idx_TK)
+        elif logits_TE.dtype != torch.float32:
+            scores_TK = scores_TK.type_as(logits_TE)  # TopKRouter's probs keep the logits' dtype
+        scale = getattr(self.config, "moe_router_topk_scaling_factor", None)
+        if scale:
+            scores_TK = scores_TK * scale
+        if with_aux:
+            map_TE = torch.zeros_like(logits_TE, dtype=torch.bool).scatter_(1, idx_TK, True)
+            scores_TK = self._apply_aux_loss(scores_TK, dense_TE, map_TE, with_padding_mask=False)
+            scores_TK = self._apply_seq_aux_loss(scores_TK, dense_TE, map_TE, seq_length, bsz, with_padding_mask=False)
+            scores_TK = self._apply_global_aux_loss(scores_TK, dense_TE, map_TE, with_padding_mask=False)
+        if self.keep_dense_probs:
+            self.dense_probs_TE = dense_TE * scale if scale else dense_TE
+        return scores_TK, idx_TK
 
     def _dense_probs(self, logits: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
         logits_TE = logits.reshape(-1, self.config.num_moe_experts).float()

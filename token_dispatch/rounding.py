@@ -21,6 +21,11 @@ expert's rows come from all P source ranks, so the decision must be global:
      kept pairs keep their routing score.
 Drops are ranked by the pair's routing score (e.g. the renormalised top-K prob), additions by the dense
 router probability, as in SonicMoE's TC-first score matrix. Routed (token, expert) pairs must be unique.
+
+Without expert parallelism (``round_local``) the same decision runs on the device with no host sync: the
+candidates come from one ``topk`` per direction over integer keys that order like (score, token), and the
+result is a padded ``FlatRouting`` whose size is an upper bound known on the host (``rounded_pairs_bound``):
+its real pairs come first, padding pairs (token T, expert E, score 0) after them, and the kernels skip those.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.routing import FlatRouting, TopKRouting
 from .comm import all_gather, group_rank, group_size
 from .validation import EPInputError
 
@@ -187,3 +193,75 @@ def round_routing(
         dropped=drop_TE.sum(),
         added=added.sum(),
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Expert-parallel size 1: the same decision on the device, no host sync
+# ---------------------------------------------------------------------------------------------------------
+
+
+def rounded_pairs_bound(num_pairs: int, num_tokens: int, num_experts: int, tile: int) -> int:
+    """Host-known upper bound on the rounded pair count: each expert gains fewer than ``tile`` pairs (and at
+    most as many as it has non-routed tokens)."""
+    return num_pairs + num_experts * min(tile - 1, num_tokens)
+
+
+def _ordered_key(values: torch.Tensor) -> torch.Tensor:
+    """int64 that orders like the fp32 value (integer order of the sign-folded bits), shifted left by 32 so a
+    token index fits below it. Values are compared as fp32 (exact for bf16/fp16/fp32 scores)."""
+    bits = values.detach().float().contiguous().view(torch.int32).long()
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return ordered << 32
+
+
+def round_local(
+    routing: TopKRouting, rounding_scores_TE: torch.Tensor, *, num_experts: int, rounding: TokenRounding
+) -> FlatRouting:
+    """``round_routing(..., group=None)`` on the device without a host sync (same pairs, same order, same
+    scores for fp32 / 16-bit scores), as a padded ``FlatRouting`` of ``rounded_pairs_bound`` pairs.
+
+    Args:
+        routing: top-K routing over the E experts, one process (scores [T, K], distinct indices per row).
+        rounding_scores_TE: dense router probabilities [T, E] (ranks additions; added pairs take them as scores).
+        num_experts: E.  rounding: the mode and tile.
+    """
+    idx_TK, scores_TK = routing.indices_TK.long(), routing.scores_TK
+    T, K = idx_TK.shape
+    E, M, device = num_experts, rounding.tile, idx_TK.device
+    routed_TE = torch.zeros(T, E, dtype=torch.bool, device=device).scatter_(1, idx_TK, True)
+    f_E = routed_TE.sum(0)
+    delta_E = _targets(f_E, torch.full_like(f_E, T), rounding) - f_E
+    k = min(M, T)
+    token_T1 = torch.arange(T, device=device).unsqueeze(1)
+    # Drop candidates: the k lowest routed scores per expert (ties: the lower token first, as a stable sort).
+    routed_scores_TE = torch.zeros(T, E, dtype=scores_TK.dtype, device=device).scatter(1, idx_TK, scores_TK)
+    drop_key_TE = torch.where(routed_TE, _ordered_key(routed_scores_TE) | token_T1, torch.iinfo(torch.int64).max)
+    drop_tok_kE = torch.topk(drop_key_TE, k, dim=0, largest=False, sorted=True).indices
+    # Add candidates: the k highest dense scores among non-routed tokens (ties: the lower token first).
+    add_key_TE = torch.where(
+        routed_TE, torch.iinfo(torch.int64).min, _ordered_key(rounding_scores_TE) | ((1 << 32) - 1 - token_T1)
+    )
+    add_tok_kE = torch.topk(add_key_TE, k, dim=0, largest=True, sorted=True).indices
+    rank_k1 = torch.arange(k, device=device).unsqueeze(1)
+    expert_kE = torch.arange(E, device=device).expand(k, E)
+
+    def mark(tok_kE: torch.Tensor, n_E: torch.Tensor) -> torch.Tensor:
+        rows = torch.where(rank_k1 < n_E, tok_kE, T)  # unselected candidates go to the spare row T
+        return torch.zeros(T + 1, E, dtype=torch.bool, device=device).index_put_(
+            (rows, expert_kE), torch.tensor(True, device=device)
+        )[:T]
+
+    drop_TE = mark(drop_tok_kE, (-delta_E).clamp(min=0))
+    add_TE = mark(add_tok_kE, delta_E.clamp(min=0))
+    final_TE = (routed_TE & ~drop_TE) | add_TE
+    bound = rounded_pairs_bound(T * K, T, E, M)
+    pairs_R2 = torch.nonzero_static(final_TE, size=bound, fill_value=-1)  # token-major, like nonzero()
+    valid_R = pairs_R2[:, 0] >= 0
+    tok_R = torch.where(valid_R, pairs_R2[:, 0], T)
+    exp_R = torch.where(valid_R, pairs_R2[:, 1], E)
+    flat_R = pairs_R2[:, 0].clamp(min=0) * E + pairs_R2[:, 1].clamp(min=0)
+    kept_R = routed_scores_TE.reshape(-1).gather(0, flat_R)
+    added_R = rounding_scores_TE.reshape(-1).gather(0, flat_R).to(scores_TK.dtype)
+    score_R = torch.where(add_TE.reshape(-1).gather(0, flat_R), added_R, kept_R)
+    score_R = torch.where(valid_R, score_R, torch.zeros((), dtype=score_R.dtype, device=device))
+    return FlatRouting(tok_R, exp_R, score_R, T, padded=True)
