@@ -42,7 +42,7 @@ layer (pipelined single node), interleave (micro-batches), wgrad, launch_count (
 from .interleave import EPForward, EPGrads, ep_backward, ep_forward, ep_forward_backward
 from .layer import expert_parallel_experts
 from .plan import EPPlan, make_plan
-from .rounding import ROUNDING_MODES, RoundingResult, TokenRounding, round_routing
+from .rounding import ROUNDING_MODES, RoundingResult, TokenRounding, round_local, round_routing
 from .stepwise import combine, dispatch, local_experts
 from .validation import EPInputError
 from .wgrad import DeferredWeightGrad
@@ -64,5 +64,6 @@ __all__ = [
     "expert_parallel_experts",
     "local_experts",
     "make_plan",
+    "round_local",
     "round_routing",
 ]
