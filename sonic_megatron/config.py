@@ -7,6 +7,13 @@ Where options come from, lowest to highest precedence:
 3. environment variables ``SONIC_MEGATRON_<FIELD>`` (upper-case field name, e.g.
    ``SONIC_MEGATRON_TOKEN_ROUNDING=up``), read when a layer is built. Environment variables win so that a
    launch script can switch options of a ``--spec sonic_megatron.spec ...`` run, which cannot pass arguments.
+   They are parsed strictly (booleans: 0/1/true/false/yes/no, any case; integers: decimal), and a
+   ``SONIC_MEGATRON_*`` variable that is neither a field nor one of ``OTHER_ENV_VARS`` is an error, so that a
+   typo in a launch script fails instead of silently leaving the default.
+
+Fields are type-checked: a bool field takes only ``True``/``False`` (a string such as ``"no"`` would be truthy)
+and an int field only an ``int`` that is not a bool (``bool`` subclasses ``int``); wrong types raise
+``TypeError``, wrong values ``ValueError``, each naming the field, what it takes and what it got.
 
 Unsupported Megatron options fail when the layer is built, with a ``ValueError`` naming the option, its value
 and what to use instead (``validate_megatron_config``).
@@ -15,7 +22,9 @@ and what to use instead (``validate_megatron_config``).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+import re
 from dataclasses import dataclass, fields
 
 import torch.nn.functional as F
@@ -23,6 +32,18 @@ import torch.nn.functional as F
 DISPATCHERS = ("sonic", "megatron")
 ROUNDING_MODES = ("none", "nearest", "up", "down")
 ENV_PREFIX = "SONIC_MEGATRON_"
+# SONIC_MEGATRON_* variables that are not SonicConfig fields but are read elsewhere; any other name with the
+# prefix is rejected by SonicConfig.resolve. Keep this in step with the os.environ reads under kernels/,
+# token_dispatch/ and tests/.
+OTHER_ENV_VARS = (
+    "SONIC_MEGATRON_CUTE_TUNING",  # kernels/cute/configs.py: tile policy of the cute backend
+    "SONIC_MEGATRON_CUTE_TILES",  # kernels/cute/configs.py: per-GEMM tile overrides
+    "SONIC_MEGATRON_CACHE_DIR",  # kernels/cute/__init__.py: compiled-kernel cache folder
+    "SONIC_MEGATRON_CUTE_SCHEDULER",  # kernels/cute/ops.py: tile scheduler of the cute GEMMs
+    "SONIC_MEGATRON_EP_SEND",  # token_dispatch/plan.py: send side of the dispatch plan
+    "SONIC_MEGATRON_MLM_DIR",  # tests/test_megatron_launcher_spec.py: a Megatron-LM checkout
+)
+BOOL_WORDS = {"0": False, "1": True, "false": False, "true": True, "no": False, "yes": True}
 
 
 @dataclass(frozen=True)
@@ -75,12 +96,11 @@ class SonicConfig:
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("dispatcher", self.dispatcher, DISPATCHERS)
         _check_choice("token_rounding", self.token_rounding, ROUNDING_MODES)
-        if not isinstance(self.rounding_tile, int) or self.rounding_tile < 1:
-            raise ValueError(f"SonicConfig.rounding_tile must be a positive int, got {self.rounding_tile!r}")
-        if not isinstance(self.num_chunks, int) or self.num_chunks < 1:
-            raise ValueError(f"SonicConfig.num_chunks must be a positive int, got {self.num_chunks!r}")
-        if not isinstance(self.comm_sms, int) or self.comm_sms < 0:
-            raise ValueError(f"SonicConfig.comm_sms must be an int >= 0, got {self.comm_sms!r}")
+        _check_int("rounding_tile", self.rounding_tile, minimum=1)
+        _check_int("num_chunks", self.num_chunks, minimum=1)
+        _check_int("comm_sms", self.comm_sms, minimum=0)
+        _check_bool("redispatch_x_in_backward", self.redispatch_x_in_backward)
+        _check_bool("by_source", self.by_source)
         if self.dispatcher == "megatron" and self.token_rounding != "none":
             raise ValueError(
                 f"SonicConfig.token_rounding={self.token_rounding!r} needs dispatcher='sonic' (got "
@@ -103,36 +123,87 @@ class SonicConfig:
 
     @classmethod
     def resolve(cls, base: SonicConfig | None = None, environ: dict[str, str] | None = None) -> SonicConfig:
-        """``base`` (or the defaults) with ``SONIC_MEGATRON_<FIELD>`` environment overrides applied."""
+        """``base`` (or the defaults) with ``SONIC_MEGATRON_<FIELD>`` environment overrides applied.
+
+        An empty variable counts as unset. Raises ValueError for an unknown ``SONIC_MEGATRON_*`` variable
+        (naming the known ones) and for a value that does not parse or is not allowed (naming the variable)."""
+        if base is not None and not isinstance(base, SonicConfig):
+            raise TypeError(f"SonicConfig.resolve: base must be a SonicConfig or None, got {type(base).__name__}")
         base = base if base is not None else cls()
         environ = os.environ if environ is None else environ
-        changes = {}
+        check_env_names(environ)
+        changes, applied = {}, []
         for f in fields(cls):
-            raw = environ.get(ENV_PREFIX + f.name.upper())
+            name = env_var(f.name)
+            raw = environ.get(name)
             if raw is None or raw == "":
                 continue
-            changes[f.name] = _parse(f.name, raw, f.type)
-        return dataclasses.replace(base, **changes) if changes else base
+            changes[f.name] = _parse_env(name, raw, f.type)
+            applied.append(f"{name}={raw!r}")
+        if not changes:
+            return base
+        try:
+            return dataclasses.replace(base, **changes)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{exc} (environment overrides: {', '.join(applied)})") from None
+
+
+def env_var(field_name: str) -> str:
+    """The environment variable of a SonicConfig field (``num_chunks`` -> ``SONIC_MEGATRON_NUM_CHUNKS``)."""
+    return ENV_PREFIX + field_name.upper()
+
+
+def known_env_vars() -> tuple[str, ...]:
+    """Every ``SONIC_MEGATRON_*`` variable the package reads: SonicConfig's fields, then ``OTHER_ENV_VARS``."""
+    return tuple(env_var(f.name) for f in fields(SonicConfig)) + OTHER_ENV_VARS
+
+
+def check_env_names(environ) -> None:
+    """Raise ValueError for a ``SONIC_MEGATRON_*`` name in ``environ`` that nothing reads (a typo would
+    otherwise leave the option at its default without a word)."""
+    known = known_env_vars()
+    unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=1)
+        hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    raise ValueError(
+        f"unknown environment variable{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; "
+        f"the known SONIC_MEGATRON_* variables are {', '.join(known)}"
+    )
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"SonicConfig.{name} must be one of {choices}, got {value!r}")
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"SonicConfig.{name} must be one of {choices}, got {value!r} ({type(value).__name__})")
 
 
-def _parse(name: str, raw: str, type_name) -> object:
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):  # bool subclasses int: True would pass as 1
+        raise TypeError(f"SonicConfig.{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"SonicConfig.{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):  # a string such as "no" would be truthy
+        raise TypeError(f"SonicConfig.{name} must be a bool (True or False), got {value!r} ({type(value).__name__})")
+
+
+def _parse_env(name: str, raw: str, type_name) -> object:
+    """A field's value from its environment variable ``name``: bool and int strictly, str as is."""
     type_name = type_name if isinstance(type_name, str) else type_name.__name__
+    word = raw.strip().lower()
     if type_name == "bool":
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{ENV_PREFIX}{name.upper()} must be a boolean (1/0/true/false), got {raw!r}")
+        if word not in BOOL_WORDS:
+            raise ValueError(f"{name} must be one of {'/'.join(BOOL_WORDS)} (any case), got {raw!r}")
+        return BOOL_WORDS[word]
     if type_name == "int":
-        try:
-            return int(raw)
-        except ValueError:
-            raise ValueError(f"{ENV_PREFIX}{name.upper()} must be an integer, got {raw!r}") from None
+        if not re.fullmatch(r"[+-]?[0-9]+", word):  # int() would also take "1_000" and non-ASCII digits
+            raise ValueError(f"{name} must be an integer (decimal digits), got {raw!r}")
+        return int(word)
     return raw
 
 
@@ -175,6 +246,13 @@ def validate_megatron_config(config, sonic: SonicConfig) -> str:
     g = lambda name, default=None: getattr(config, name, default)  # noqa: E731 - 0.16/0.19 field sets differ
     if not g("num_moe_experts"):
         _reject("num_moe_experts", g("num_moe_experts"), "a MoE layer needs --num-experts")
+    ep = g("expert_model_parallel_size", 1) or 1
+    if g("num_moe_experts") % ep != 0:  # checked here: Megatron's MoELayer asserts it with no message
+        raise ValueError(
+            f"sonic_megatron: num_moe_experts={g('num_moe_experts')} is not divisible by "
+            f"expert_model_parallel_size={ep} (every expert-parallel rank holds the same number of experts); "
+            "pick --num-experts as a multiple of --expert-model-parallel-size"
+        )
     activation = kernels_activation(config)
     if g("add_bias_linear"):
         _reject("add_bias_linear", True, "the Sonic experts have no biases; pass --disable-bias-linear")

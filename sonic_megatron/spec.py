@@ -7,10 +7,11 @@ Swap helper (any version, any spec shape)::
     mtp_spec = swap_moe_spec(get_gpt_mtp_block_spec(config, block_spec, use_transformer_engine=True))
 
 ``swap_moe_spec`` returns a deep copy in which every MoE mlp -- a ``ModuleSpec(module=MoELayer)`` (0.16-0.18)
-or a ``functools.partial(MoELayer, submodules=...)`` (0.19) -- becomes ``ModuleSpec(module=SonicMoELayer)``
-with ``SonicExperts`` routed experts, ``SonicRouter``, and the original shared experts; dense mlps and
-everything else are untouched. It walks layer specs, ``TransformerBlockSubmodules`` (mixed dense/MoE layer
-lists, e.g. ``--moe-layer-freq``), block ``ModuleSpec``s and MTP block submodules alike.
+or a ``functools.partial(MoELayer, submodules=...)`` (0.19) -- becomes a ``SonicMoELayerSpec`` (see
+``sonic_moe_spec``) building a ``SonicMoELayer`` with ``SonicExperts`` routed experts, ``SonicRouter``, and
+the original shared experts; dense mlps and everything else are untouched. It walks layer specs,
+``TransformerBlockSubmodules`` (mixed dense/MoE layer lists, e.g. ``--moe-layer-freq``), block ``ModuleSpec``s
+and MTP block submodules alike.
 
 ``--spec sonic_megatron.spec <name>`` with Megatron-LM's ``pretrain_gpt.py`` -- which name per version:
 
@@ -56,20 +57,51 @@ from .layer import SonicMoELayer
 from .router import SonicRouter
 
 
-def sonic_moe_spec(old_submodules: MoESubmodules | None = None, sonic_config: SonicConfig | None = None) -> ModuleSpec:
-    """The ModuleSpec of a SonicMoELayer keeping ``old_submodules.shared_experts`` (if any)."""
+class SonicMoELayerSpec:
+    """The mlp spec of a Sonic MoE layer: a class whose attributes read like a ModuleSpec's (``module``,
+    ``submodules``, ``params``) and whose call builds ``module(*args, submodules=..., **params, **kwargs)``.
+
+    Why a class and not ``ModuleSpec(module=SonicMoELayer)``: megatron-core 0.16/0.17's TransformerLayer
+    picks the keyword arguments of a ModuleSpec mlp by its exact module class (MoELayer, MLP, ...) and logs
+    "Unknown MLP type ... Using default kwargs" for any other class, subclasses included, once per layer.
+    A class goes through ``build_module``'s plain-class path, which passes ``submodules`` and ``params`` from
+    these attributes and no other keyword, the same as that fallback; megatron-core >= 0.18 calls the mlp
+    spec as ``spec(config=, pg_collection=, is_mtp_layer=, name=)``, which this call takes too. Calling it
+    returns a ``SonicMoELayer`` instance, not an instance of this class.
+    """
+
+    module = SonicMoELayer
+    submodules: MoESubmodules | None = None
+    params: dict = {}  # each spec class made by sonic_moe_spec gets its own
+    metainfo: dict = {}  # ModuleSpec has this field too
+
+    def __new__(cls, *args, **kwargs):
+        if cls is SonicMoELayerSpec:
+            raise TypeError("SonicMoELayerSpec is the base of the spec classes; build one with sonic_moe_spec()")
+        kwargs = {"submodules": cls.submodules, **cls.params, **kwargs}
+        return cls.module(*args, **kwargs)
+
+
+def sonic_moe_spec(
+    old_submodules: MoESubmodules | None = None, sonic_config: SonicConfig | None = None
+) -> type[SonicMoELayerSpec]:
+    """The mlp spec of a SonicMoELayer keeping ``old_submodules.shared_experts`` (if any): a new
+    ``SonicMoELayerSpec`` subclass whose ``submodules``/``params`` hold this layer's choices."""
     shared = getattr(old_submodules, "shared_experts", None) if old_submodules is not None else None
-    expert_params = {"sonic_config": sonic_config} if sonic_config is not None else {}
     params = {"sonic_config": sonic_config} if sonic_config is not None else {}
-    return ModuleSpec(
-        module=SonicMoELayer,
-        submodules=MoESubmodules(
-            experts=ModuleSpec(module=SonicExperts, params=expert_params),
-            shared_experts=shared,
-            router=SonicRouter,
-        ),
-        params=params,
+    submodules = MoESubmodules(
+        experts=ModuleSpec(module=SonicExperts, params=dict(params)),
+        shared_experts=shared,
+        router=SonicRouter,
     )
+    return type("SonicMoELayerSpec", (SonicMoELayerSpec,), {"submodules": submodules, "params": params, "metainfo": {}})
+
+
+def is_sonic_moe_spec(obj) -> bool:
+    """A Sonic MoE mlp spec: a ``sonic_moe_spec`` class or a ``ModuleSpec(module=SonicMoELayer)``."""
+    if isinstance(obj, type):
+        return issubclass(obj, SonicMoELayerSpec)
+    return isinstance(obj, ModuleSpec) and obj.module is SonicMoELayer
 
 
 def moe_submodules_of(mlp_spec) -> MoESubmodules | None:
@@ -121,7 +153,7 @@ def count_sonic_layers(spec) -> int:
     found = []
 
     def walk(obj, seen):
-        if isinstance(obj, ModuleSpec) and obj.module is SonicMoELayer:
+        if is_sonic_moe_spec(obj):
             found.append(obj)  # counted per occurrence (block specs share one layer spec object)
             return
         if isinstance(obj, ModuleSpec):  # specs are DAGs (shared layer specs), never cycles
