@@ -104,7 +104,7 @@ def gather_sum(
     block_j = min(16, triton.next_power_of_2(max(1, fixed_k or pairs_per_token)))
     block_d = min(triton.next_power_of_2(D), max(64, 8192 // block_j), 1024)
     # One program walks all of a token's D-blocks (up to 8): H100 sweep at D = 1536 / 2048 / 4096 (T = 24576 /
-    # 32768, K = 8, scripts/gpu_gather_sum_sweep.py, docs/PERF.md 1f): 236 / 408 / 809 us weighted vs 248 / 425 /
+    # 32768, K = 8, docs/PERF.md section 1): 236 / 408 / 809 us weighted vs 248 / 425 /
     # 839 us with one program per (token, D-block), within 0.5 % of sonic-moe's kernel on the same inputs.
     n_blocks = triton.cdiv(D, block_d)
     d_tiles = min(n_blocks, 8)

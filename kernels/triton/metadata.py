@@ -24,8 +24,8 @@ import triton.language as tl
 from ..routing import RoutingMetadata
 
 _CHUNK = 16  # pairs compared against the whole tile per step (bounds the [CHUNK, BLOCK] compare in registers)
-# Launch parameters (results do not depend on them; scripts/gpu_metadata_sweep.py times the alternatives):
-# H100 (docs/PERF.md 1e): 128 / 256 x 8 is the fastest of six combinations at all four benchmark shapes, 31-36 %
+# Launch parameters (results do not depend on them):
+# H100 (docs/PERF.md section 1): 128 / 256 x 8 is the fastest of six combinations at all four benchmark shapes, 31-36 %
 # less GPU time than the former 256 / 64 x 32 (e.g. 48.9 -> 33.6 us at T=24576, E=128, K=8).
 TILE_BLOCK = 128  # pairs per tile of the rank kernel (its work is R * TILE_BLOCK compares), grown for large E
 SCAN_BLOCK_T, SCAN_BLOCK_E = 256, 8  # the tile scan: tiles per step x experts per program (more programs, fewer steps)

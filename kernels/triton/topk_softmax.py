@@ -188,7 +188,7 @@ def topk_softmax_fwd(
         logits_TE: [T, E] bf16/fp16/fp32 router logits (rows with unit stride along E; copied otherwise).
         k: experts per token, 1 <= k <= E.
         rows_per_program: rows each program owns (a power of two); None picks about 2048 padded elements
-            per program. Any value is correct, this only tunes speed (scripts/gpu_router_bench.py sweeps it).
+            per program. Any value is correct, this only tunes speed.
     """
     _check(logits_TE, k)
     if logits_TE.stride(1) != 1:
