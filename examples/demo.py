@@ -5,7 +5,8 @@ expert parallelism, printing loss, tokens/s and memory.
     torchrun --nproc-per-node 2 examples/demo.py # or let torchrun start them
     python examples/demo.py --spec stock         # the same model with Megatron's stock MoE layer
 
-Runs on a CPU-only machine with megatron-core >= 0.16 in well under two minutes.
+Runs on a CPU-only machine with megatron-core >= 0.16 in well under two minutes. Arguments (and the
+``SONIC_MEGATRON_*`` environment) are checked before any process starts.
 """
 
 from __future__ import annotations
@@ -18,24 +19,88 @@ import warnings
 
 
 def parse_args(argv=None):
+    """The demo's arguments, checked against each other and this machine (argparse's usage error, exit
+    status 2, on a bad one), so that nothing is spawned for a run that cannot start."""
+    from sonic_megatron.kernels import BACKENDS
+
+    from sonic_megatron.config import ROUNDING_MODES
+    from sonic_megatron.gpt import PRESETS
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=2, help="processes to spawn (ignored under torchrun)")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: all processes)")
-    p.add_argument("--steps", type=int, default=20, help="training steps")
-    p.add_argument("--preset", default="tiny", help="model preset of sonic_megatron.gpt.PRESETS")
+    p.add_argument("--steps", type=int, default=20, help="training steps (>= 1)")
+    p.add_argument("--preset", choices=list(PRESETS), default="tiny", help="model shape (sonic_megatron.gpt.PRESETS)")
     p.add_argument("--spec", choices=("sonic", "stock"), default="sonic", help="MoE layer: plugin or stock")
-    p.add_argument("--backend", default=None, help="experts backend (auto|torch|cute); default auto")
-    p.add_argument("--token-rounding", default=None, help="none|nearest|up|down (plugin only)")
-    p.add_argument("--rounding-tile", type=int, default=None, help="token rounding multiple")
+    p.add_argument(
+        "--backend", choices=BACKENDS, default=None, help="experts backend; default auto on GPUs, torch on CPU"
+    )
+    p.add_argument("--token-rounding", choices=ROUNDING_MODES, default=None, help="plugin only; default none")
+    p.add_argument("--rounding-tile", type=int, default=None, help="token rounding multiple (>= 1; default 128)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--json", default=None, help="write losses/throughput as JSON (rank 0)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    problem = argument_problem(args, world_size(args), PRESETS[args.preset].experts)
+    if problem:
+        p.error(problem)
+    return args
+
+
+def world_size(args) -> int:
+    """Processes of the run: torchrun's WORLD_SIZE, else --nproc."""
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.nproc
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def argument_problem(args, world: int, num_experts: int) -> str | None:
+    """What makes these arguments unusable on this machine (None when they are fine)."""
+    import torch
+    from sonic_megatron.kernels.interface import cute_unavailable_reason
+
+    if args.steps < 1:
+        return f"--steps must be >= 1, got {args.steps}"
+    if world < 1:
+        return f"--nproc must be >= 1, got {world}"
+    ep = args.ep or world
+    if ep < 1 or world % ep != 0:
+        return f"--ep must be >= 1 and divide the {world} processes, got {ep}"
+    if num_experts % ep != 0:
+        return f"--preset {args.preset} has {num_experts} experts, which --ep {ep} does not divide"
+    if args.rounding_tile is not None and args.rounding_tile < 1:
+        return f"--rounding-tile must be >= 1, got {args.rounding_tile}"
+    if args.spec == "stock" and (args.backend or args.token_rounding or args.rounding_tile):
+        return "--backend, --token-rounding and --rounding-tile choose plugin options: use them with --spec sonic"
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    try:  # the plugin options and the SONIC_MEGATRON_* environment, as the workers will resolve them
+        sonic = sonic_config(args, device.type)
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    reason = None
+    if args.spec == "sonic" and sonic.backend == "cute":
+        reason = cute_unavailable_reason(device) if device.type == "cuda" else "it needs a CUDA GPU and none is visible"
+    if reason:
+        return f"backend 'cute' (--backend or SONIC_MEGATRON_BACKEND) cannot run on this machine: {reason}"
+    return None
+
+
+def sonic_config(args, device_type: str):
+    """The plugin options of this run: the arguments, then SONIC_MEGATRON_* environment overrides."""
+    from sonic_megatron.config import SonicConfig
+
+    base = SonicConfig(
+        backend=args.backend or ("auto" if device_type == "cuda" else "torch"),
+        token_rounding=args.token_rounding or "none",
+        rounding_tile=128 if args.rounding_tile is None else args.rounding_tile,
+    )
+    return SonicConfig.resolve(base)
 
 
 def main_worker(rank: int, world: int, args) -> None:
     import torch
 
-    from sonic_megatron.config import SonicConfig
     from sonic_megatron.gpt import PRESETS, build_model, train
     from sonic_megatron.testing import init_model_parallel
 
@@ -43,13 +108,10 @@ def main_worker(rank: int, world: int, args) -> None:
     init_model_parallel(ep=ep)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    sonic = SonicConfig(
-        backend=args.backend or ("auto" if device.type == "cuda" else "torch"),
-        token_rounding=args.token_rounding or "none",
-        rounding_tile=args.rounding_tile or 128,
-    )
     preset = PRESETS[args.preset]
-    model = build_model(preset, args.spec, ep=ep, dtype=dtype, device=device, sonic_config=SonicConfig.resolve(sonic))
+    model = build_model(
+        preset, args.spec, ep=ep, dtype=dtype, device=device, sonic_config=sonic_config(args, device.type)
+    )
     log = print if rank == 0 else (lambda *a, **k: None)
     n_params = sum(p.numel() for p in model.parameters())
     log(
@@ -77,7 +139,7 @@ def _spawned(rank: int, world: int, args) -> None:
 def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+    if under_torchrun():
         from sonic_megatron.testing import init_distributed
 
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
