@@ -12,7 +12,8 @@ per pair, an fp32 score and int32 (row, local expert) metadata, and combine retu
 rank). Only rows that leave the rank count as wire bytes (a rank's rows to itself are a local copy).
 The measured part times each scheme's token all-to-all with the split sizes the algorithm produces (ours:
 dedup rows; Megatron's: one row per pair) on the same ``all_to_all_single``; GB/s = outbound wire bytes
-of this rank / time ("a2a GB/s per GPU").
+of this rank / time ("a2a GB/s per GPU"). It needs two or more processes: one rank sends nothing over the
+wire, so a single-process run is refused instead of reporting zeros.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -95,7 +97,23 @@ def timed(fn, device, warmup: int, iters: int) -> float:
     return float(t)
 
 
+def launched_world_size() -> int:
+    """Processes of this run: the initialised default group's, else torchrun's WORLD_SIZE (1 without it)."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def run(args) -> int:
+    world = launched_world_size()
+    if world < 2:
+        print(
+            f"bench dispatch: needs torchrun with >= 2 processes (got {world}): it measures the traffic between "
+            "expert-parallel ranks, and one rank sends nothing. Launch it as\n"
+            "    torchrun --nproc-per-node 2 -m sonic_megatron bench dispatch ...   (add --device cpu without GPUs)",
+            file=sys.stderr,
+        )
+        return 2
     from ..token_dispatch import make_plan
     from ..token_dispatch.stepwise import _all_rows  # the dispatch all-to-all of all chunks
 
