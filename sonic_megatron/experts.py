@@ -103,8 +103,9 @@ class SonicExperts(MegatronModule):
         )
         if delay:
             from .token_dispatch import DeferredWeightGrad
+            from .wgrad import add_to_main_grads
 
-            self.wgrad.ep_deferred = DeferredWeightGrad()
+            self.wgrad.ep_deferred = DeferredWeightGrad(sink=add_to_main_grads)
 
     @torch.no_grad()
     def _init_weights(self) -> None:

@@ -22,7 +22,54 @@ from collections.abc import Callable
 
 import torch
 
-from .token_dispatch.wgrad import accumulate_weight_grad, add_into_main_grads, fusable_main_grads
+
+def accumulate_weight_grad(w: torch.Tensor, g: torch.Tensor, use_main_grad: bool = True) -> None:
+    """Add ``g`` to ``w.main_grad`` when it exists and ``use_main_grad`` (setting Megatron's
+    ``w.grad_added_to_main_grad = True``), else to ``w.grad`` (created if absent), in that buffer's dtype."""
+    main = getattr(w, "main_grad", None) if use_main_grad else None
+    if main is not None:
+        main.add_(g.to(main.dtype))
+        w.grad_added_to_main_grad = True
+    elif w.grad is None:
+        w.grad = g.to(w.dtype)
+    else:
+        w.grad.add_(g.to(w.grad.dtype))
+
+
+def fusable_main_grads(params) -> tuple[torch.Tensor, ...] | None:
+    """The params' ``main_grad`` buffers when every param requires grad and has a contiguous ``main_grad`` of
+    its shape (then ``backward_weights(..., out=...)`` can add into them directly); else None."""
+    mains = []
+    for p in params:
+        m = getattr(p, "main_grad", None)
+        if not p.requires_grad or m is None or m.shape != p.shape or not m.is_contiguous():
+            return None
+        mains.append(m)
+    return tuple(mains)
+
+
+def add_into_main_grads(fn, params) -> bool:
+    """When ``fusable_main_grads(params)``: ``fn(out=main_grads)`` adds the gradients there (inside the GEMMs)
+    and every param gets ``grad_added_to_main_grad = True`` (as ``accumulate_weight_grad`` sets it); True.
+    Otherwise nothing runs and the caller accumulates ``fn()``'s result itself; False."""
+    mains = fusable_main_grads(params)
+    if mains is None:
+        return False
+    fn(out=mains)
+    for p in params:
+        p.grad_added_to_main_grad = True
+    return True
+
+
+def add_to_main_grads(fn, params) -> None:
+    """The sink of ``token_dispatch.DeferredWeightGrad`` under Megatron: the GEMMs add straight into the fp32
+    ``main_grad`` buffers when both weights have one, else ``fn()``'s gradients go to ``main_grad`` (or ``.grad``
+    where a weight has none) through ``accumulate_weight_grad``."""
+    if add_into_main_grads(fn, params):
+        return
+    for w, g in zip(params, fn(), strict=True):
+        if w.requires_grad:
+            accumulate_weight_grad(w, g)
 
 
 class WeightGradSink:

@@ -474,22 +474,57 @@ def test_forward_host_order(N):
         assert summary["collectives"] == 1 + 3 * N, summary
 
 
-def test_deferred_wgrad_adds_into_main_grads_through_out():
-    """With a contiguous main_grad on both weights, compute() hands them to the recorded GEMMs as ``out``
-    (fused accumulation, no temporary); otherwise it accumulates the returned gradients."""
-    w1, w2 = torch.zeros(2, 4, 3, requires_grad=True), torch.zeros(2, 3, 2, requires_grad=True)
-    g1, g2 = torch.randn(2, 4, 3), torch.randn(2, 3, 2)
-    calls = []
+def _recorded_wgrad_fn(calls, g1, g2):
+    """A recorded weight-gradient closure with ``backward_weights``' contract: returns (g1, g2), or adds them
+    into ``out``; logs whether it got ``out``."""
 
     def fn(out=None):
         calls.append(out is not None)
         if out is None:
-            return g1, g2
+            return g1.clone(), g2.clone()  # fresh tensors, as the GEMMs return
         out[0].add_(g1)
         out[1].add_(g2)
         return out
 
+    return fn
+
+
+def test_deferred_wgrad_default_sink_adds_to_grad_and_a_given_sink_gets_every_closure():
+    """Without a sink, compute() adds the returned gradients into ``.grad`` (created, then accumulated), also
+    when a weight has a ``main_grad`` (that convention is the caller's sink); a given sink receives every
+    recorded closure with its weights, in order."""
+    w1, w2 = torch.zeros(2, 4, 3, requires_grad=True), torch.zeros(2, 3, 2, requires_grad=True)
+    g1, g2 = torch.randn(2, 4, 3), torch.randn(2, 3, 2)
+    calls = []
+    fn = _recorded_wgrad_fn(calls, g1, g2)
     wg = DeferredWeightGrad()
+    wg.record(fn, w1, w2)
+    w1.main_grad = torch.ones(w1.shape)
+    wg.record(fn, w1, w2)
+    wg.compute()
+    assert calls == [False, False] and wg.num_pending == 0
+    assert torch.equal(w1.grad, g1 + g1) and torch.equal(w2.grad, g2 + g2) and torch.equal(w1.main_grad, 1 + 0 * g1)
+    seen = []
+    wg = DeferredWeightGrad(sink=lambda f, params: seen.append((f, params)))
+    wg.record(fn, w1, w2)
+    wg.record(fn, w2, w1)
+    wg.compute()
+    assert [(f, tuple(map(id, ps))) for f, ps in seen] == [(fn, (id(w1), id(w2))), (fn, (id(w2), id(w1)))]
+    with pytest.raises(TypeError, match="sink must be callable"):
+        DeferredWeightGrad(sink=3)
+
+
+def test_main_grad_sink_adds_into_main_grads_through_out():
+    """Megatron's sink (``sonic_megatron.wgrad.add_to_main_grads``): with a contiguous main_grad on both
+    weights, the recorded GEMMs get them as ``out`` (fused accumulation, no temporary); otherwise the returned
+    gradients are accumulated (into ``.grad`` where a weight has no main_grad)."""
+    from sonic_megatron.wgrad import add_to_main_grads
+
+    w1, w2 = torch.zeros(2, 4, 3, requires_grad=True), torch.zeros(2, 3, 2, requires_grad=True)
+    g1, g2 = torch.randn(2, 4, 3), torch.randn(2, 3, 2)
+    calls = []
+    fn = _recorded_wgrad_fn(calls, g1, g2)
+    wg = DeferredWeightGrad(sink=add_to_main_grads)
     wg.record(fn, w1, w2)
     wg.compute()  # no main_grad: returned gradients go to .grad
     assert calls == [False] and torch.equal(w1.grad, g1) and torch.equal(w2.grad, g2)

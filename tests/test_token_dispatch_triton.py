@@ -1,4 +1,4 @@
-"""The expert-parallel receive-side Triton kernel (kernels/triton/ep_recv.py) against its PyTorch reference
+"""The expert-parallel receive-side Triton kernel (token_dispatch/triton_recv.py) against its PyTorch reference
 (token_dispatch.plan._recv_rows_keys_torch), on CPU under TRITON_INTERPRET=1 (compiled on a GPU when present).
 Inputs follow the plan's invariants: segments (chunk, source) in order, every row with >= 1 pair, rows
 ascending inside a segment; the counts are a column slice of a wider int64 tensor, as in ``make_plan``."""
@@ -54,7 +54,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_ep_recv_rows_keys_matches_torch(case, by_source):
     try:
-        from sonic_megatron.kernels.triton import ep_recv_rows_keys
+        from sonic_megatron.token_dispatch.triton_recv import ep_recv_rows_keys
     except Exception as exc:  # pragma: no cover - depends on the triton build
         pytest.skip(f"triton kernels cannot be imported here: {exc}")
     meta_QC, counts_PW, kw = _inputs(**CASES[case])
@@ -87,7 +87,7 @@ def test_ep_recv_rows_keys_matches_torch(case, by_source):
 
 
 def test_ep_recv_rows_keys_rejects_bad_input():
-    from sonic_megatron.kernels.triton import ep_recv_rows_keys
+    from sonic_megatron.token_dispatch.triton_recv import ep_recv_rows_keys
 
     meta_QC, counts_PW, kw = _inputs(**CASES["p2_n1"])
     with pytest.raises(ValueError, match="meta_QC must be int32"):

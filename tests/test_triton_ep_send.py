@@ -1,4 +1,4 @@
-"""The expert-parallel send-side Triton kernels (kernels/triton/ep_send.py) against their PyTorch reference
+"""The expert-parallel send-side Triton kernels (token_dispatch/triton_send.py) against their PyTorch reference
 (token_dispatch.plan._send_side on plan._flat of the top-K routing): every field bitwise equal (dtype, shape,
 values), on CPU under TRITON_INTERPRET=1 (compiled on a GPU when present). Outputs come from torch.empty,
 poisoned here (deterministic fill), so an element the kernels forget to write shows."""
@@ -20,7 +20,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _ep_send():
     try:
-        from sonic_megatron.kernels.triton import ep_send_side
+        from sonic_megatron.token_dispatch.triton_send import ep_send_side
     except Exception as exc:  # pragma: no cover - depends on the triton build
         pytest.skip(f"triton kernels cannot be imported here: {exc}")
     return ep_send_side
@@ -140,7 +140,7 @@ def test_bad_expert_indices_do_not_crash(N):
 
 def test_scan_loops_over_blocks(monkeypatch):
     """Shrink the scan's step so that it loops over several tile blocks and segment rows."""
-    from sonic_megatron.kernels.triton import ep_send
+    from sonic_megatron.token_dispatch import triton_send as ep_send
 
     _ep_send()
     monkeypatch.setattr(ep_send, "_SCAN_ELEMS", 4)

@@ -16,7 +16,7 @@ Order of ``make_plan`` -- the host sync drains the GPU queue, so as little as po
   1. before the sync, on the device: validation header, send layout and everything of the send side that
      needs no host size, sized by R (>= S send rows) and sliced after the sync: send rows' tokens, pair
      metadata + score bits, combine order and offsets (``_send_side``; for top-K routing on CUDA the Triton
-     kernels of ``kernels/triton/ep_send.py``, same results in a few launches).
+     kernels of ``triton_send.py``, same results in a few launches).
   2. no rounding: ONE all-gather of [18 + 2 * 16 * P] int64 (header + per-(chunk, destination) row and
      pair counts, sized for up to MAX_CHUNKS = 16 chunks so that every rank sends the same size even when
      their inputs disagree) and ONE host copy of it (split sizes must be host ints for all_to_all_single;
@@ -35,7 +35,6 @@ Order of ``make_plan`` -- the host sync drains the GPU queue, so as little as po
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -283,20 +282,14 @@ def _send_side(tok_R, exp_R, scores_R, T, L, P, N) -> _SendSide:
     return _SendSide(order, send_token_idx_R, combine_order_R, combine_offsets, pair_meta_RC, rows_NP, pairs_NP)
 
 
-SEND_SIDE_IMPLS = ("triton", "torch")
-
-
 def _build_send_side(routing, tok_R, exp_R, scores_R, T, L, P, N) -> _SendSide:
-    """The send side of top-K routing on CUDA from the Triton kernels (``kernels/triton/ep_send.py``: a few
-    launches instead of ~40, bitwise the same results), else from ``_send_side``'s PyTorch ops (CPU, flat
-    routing, rounded routing). ``SONIC_MEGATRON_EP_SEND=torch`` forces the PyTorch ops (A/B benchmarks)."""
-    impl = os.environ.get("SONIC_MEGATRON_EP_SEND", "triton")
-    if impl not in SEND_SIDE_IMPLS:
-        raise ValueError(f"SONIC_MEGATRON_EP_SEND must be one of {SEND_SIDE_IMPLS}, got {impl!r}")
+    """The send side of top-K routing on CUDA from the Triton kernels (``triton_send.py``: a few launches
+    instead of ~40, bitwise the same results), else from ``_send_side``'s PyTorch ops (the reference; CPU,
+    flat routing, rounded routing)."""
     topk = isinstance(routing, TopKRouting) and routing.indices_TK.dim() == 2
-    if impl == "triton" and tok_R.is_cuda and topk:
+    if tok_R.is_cuda and topk:
         try:
-            from ..kernels.triton.ep_send import MAX_RANKS, ep_send_side
+            from .triton_send import MAX_RANKS, ep_send_side
         except ImportError:  # no Triton: PyTorch's ops (same contract)
             pass
         else:
@@ -482,7 +475,7 @@ def _recv_rows_keys_torch(
     by_source=False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row_Q, key_Q, token_offsets) int32 of the received pairs with PyTorch ops: the reference of (and the
-    CPU path for) the one-launch Triton kernel ``kernels/triton/ep_recv.py`` (its docstring defines them)."""
+    CPU path for) the one-launch Triton kernel ``triton_recv.py`` (its docstring defines them)."""
     N, P, L, device = num_chunks, world_size, num_local_experts, counts_PW.device
     Q, U = meta_QC.shape[0], num_recv_rows
     cols = rank + P * torch.arange(N, device=device)  # column of (chunk c, destination = this rank)
@@ -501,7 +494,7 @@ def _recv_rows_keys(meta_QC: torch.Tensor, counts_PW: torch.Tensor, **kw):
     """One Triton launch on CUDA, PyTorch's ops elsewhere (same int32 results)."""
     if counts_PW.is_cuda:
         try:
-            from ..kernels.triton import ep_recv_rows_keys
+            from .triton_recv import ep_recv_rows_keys
 
             return ep_recv_rows_keys(meta_QC, counts_PW, **kw)
         except ImportError:

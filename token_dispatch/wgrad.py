@@ -1,4 +1,5 @@
-"""Deferred weight gradients (Megatron's ``backward_dw`` / ``--delay-wgrad-compute``)."""
+"""Deferred weight gradients (Megatron's ``backward_dw`` / ``--delay-wgrad-compute``), convention-free: where a
+gradient goes (``.grad``, a framework's fp32 buffer, ...) is decided by the sink the caller gives."""
 
 from __future__ import annotations
 
@@ -6,61 +7,41 @@ from collections.abc import Callable
 
 import torch
 
-
-def accumulate_weight_grad(w: torch.Tensor, g: torch.Tensor, use_main_grad: bool = True) -> None:
-    """Add ``g`` to ``w.main_grad`` when it exists and ``use_main_grad`` (setting Megatron's
-    ``w.grad_added_to_main_grad = True``), else to ``w.grad`` (created if absent), in that buffer's dtype."""
-    main = getattr(w, "main_grad", None) if use_main_grad else None
-    if main is not None:
-        main.add_(g.to(main.dtype))
-        w.grad_added_to_main_grad = True
-    elif w.grad is None:
-        w.grad = g.to(w.dtype)
-    else:
-        w.grad.add_(g.to(w.grad.dtype))
+# fn(out=None) -> (dw1, dw2); with ``out=(acc1, acc2)`` it adds into those buffers (``backward_weights``' contract).
+WeightGradFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# sink(fn, (w1, w2)): runs fn and puts its gradients where the caller's framework wants them.
+WeightGradSinkFn = Callable[[WeightGradFn, tuple[torch.Tensor, torch.Tensor]], None]
 
 
-def fusable_main_grads(params) -> tuple[torch.Tensor, ...] | None:
-    """The params' ``main_grad`` buffers when every param requires grad and has a contiguous ``main_grad`` of
-    its shape (then ``backward_weights(..., out=...)`` can add into them directly); else None."""
-    mains = []
-    for p in params:
-        m = getattr(p, "main_grad", None)
-        if not p.requires_grad or m is None or m.shape != p.shape or not m.is_contiguous():
-            return None
-        mains.append(m)
-    return tuple(mains)
-
-
-def add_into_main_grads(fn, params) -> bool:
-    """When ``fusable_main_grads(params)``: ``fn(out=main_grads)`` adds the gradients there (inside the GEMMs)
-    and every param gets ``grad_added_to_main_grad = True`` (as ``accumulate_weight_grad`` sets it); True.
-    Otherwise nothing runs and the caller accumulates ``fn()``'s result itself; False."""
-    mains = fusable_main_grads(params)
-    if mains is None:
-        return False
-    fn(out=mains)
-    for p in params:
-        p.grad_added_to_main_grad = True
-    return True
+def add_to_grad(fn: WeightGradFn, params: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """The default sink: autograd's convention, ``w.grad`` created (in w's dtype) or added to."""
+    for w, g in zip(params, fn(), strict=True):
+        if not w.requires_grad:
+            continue
+        if w.grad is None:
+            w.grad = g.to(w.dtype)
+        else:
+            w.grad.add_(g.to(w.grad.dtype))
 
 
 class DeferredWeightGrad:
     """Collects the expert weight-gradient GEMMs of backward passes instead of running them.
 
-    Pass one instance as ``wgrad=`` to ``expert_parallel_experts`` / ``local_experts``: backward then
-    returns no gradient for w1/w2 and records a closure over the tensors the GEMMs need (received X rows,
-    received dO rows, A', dH and the metadata; these stay alive until ``compute()``). ``compute()`` runs
-    every recorded GEMM in order and accumulates into ``w.main_grad`` when the weight has one (setting
-    ``w.grad_added_to_main_grad = True``, Megatron's fused-accumulation convention; when both weights have one,
-    the GEMMs add into them directly: ``fn(out=main_grads)``), else into ``w.grad``.
-    The weights must be leaf tensors (parameters).
+    Pass one instance as ``wgrad=`` (an ``EPOptions`` field) to ``expert_parallel_experts`` / ``local_experts``:
+    backward then returns no gradient for w1/w2 and records a closure over the tensors the GEMMs need (received
+    X rows, received dO rows, A', dH and the metadata; they stay alive until ``compute()``). ``compute()`` hands
+    every recorded closure, in order, to ``sink(fn, (w1, w2))`` (default ``add_to_grad``: into ``w.grad``);
+    Megatron's ``main_grad`` convention is ``sonic_megatron.wgrad.add_to_main_grads``. The weights must be leaf
+    tensors (parameters).
     """
 
-    def __init__(self) -> None:
-        self._pending: list[tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]] = []
+    def __init__(self, sink: WeightGradSinkFn | None = None) -> None:
+        if sink is not None and not callable(sink):
+            raise TypeError(f"DeferredWeightGrad: sink must be callable(fn, (w1, w2)) or None, got {type(sink)}")
+        self._sink = sink if sink is not None else add_to_grad
+        self._pending: list[tuple[WeightGradFn, torch.Tensor, torch.Tensor]] = []
 
-    def record(self, fn: Callable[..., tuple[torch.Tensor, torch.Tensor]], w1: torch.Tensor, w2: torch.Tensor) -> None:
+    def record(self, fn: WeightGradFn, w1: torch.Tensor, w2: torch.Tensor) -> None:
         """Record ``fn() -> (dw1, dw2)`` to accumulate into ``w1`` / ``w2`` later; ``fn(out=(acc1, acc2))``
         must add them into those buffers instead (``backward_weights``' contract)."""
         self._pending.append((fn, w1, w2))
@@ -71,12 +52,7 @@ class DeferredWeightGrad:
 
     @torch.no_grad()  # called outside autograd's backward (backward_dw), where the saved tensors may require grad
     def compute(self) -> None:
-        """Run the recorded weight-gradient GEMMs and accumulate them (then forget them)."""
+        """Hand the recorded weight-gradient GEMMs to the sink (then forget them)."""
         pending, self._pending = self._pending, []
         for fn, w1, w2 in pending:
-            if add_into_main_grads(fn, (w1, w2)):  # the GEMMs add straight into the fp32 main_grads
-                continue
-            dw1, dw2 = fn()
-            for w, g in ((w1, dw1), (w2, dw2)):
-                if w.requires_grad:
-                    accumulate_weight_grad(w, g)
+            self._sink(fn, (w1, w2))

@@ -3,10 +3,6 @@
     metadata.py    routing metadata (expert offsets and the three index arrays), device-side, no host sync
     gather_sum.py  deterministic fp32 gather-and-sum over each token's pairs: the forward aggregation
                    O_t = sum_j s_j Y[row(j)] and the backward dX_t = sum_j dX~[row(j)]
-    ep_recv.py     expert-parallel receive side: each received pair's row and (stage, local expert) key,
-                   and the rows' CSR offsets, from the all-gathered split sizes (token_dispatch/plan.py)
-    ep_send.py     expert-parallel send side of the dispatch plan (send order, send rows, combine order, pair
-                   metadata, per-segment counts) in three launches, bitwise equal to plan._send_side
     topk_softmax.py router top-K + softmax over the logits in one launch, its dense backward in one launch
 
 No atomics: every output element is written by exactly one program, sums run in a fixed order, so two runs
@@ -14,18 +10,13 @@ give bitwise equal results. They run on CPU too under ``TRITON_INTERPRET=1`` (te
 Importing this package needs ``triton`` (not a dependency of CPU installs).
 """
 
-from .ep_recv import ep_recv_rows_keys
-from .ep_send import EPSendSide, ep_send_side
 from .gather_sum import gather_sum
 from .metadata import compute_metadata_topk_triton, compute_metadata_triton
 from .topk_softmax import topk_softmax
 
 __all__ = [
-    "EPSendSide",
     "compute_metadata_topk_triton",
     "compute_metadata_triton",
-    "ep_recv_rows_keys",
-    "ep_send_side",
     "gather_sum",
     "topk_softmax",
 ]
