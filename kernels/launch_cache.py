@@ -2,10 +2,9 @@
 
 Why: QuACK's Python entry points (``gemm_tuned.fn`` -> ``gemm`` / ``gemm_act`` / ``gemm_dact``) spend ~63 us of
 host time per call -- shape checks, layout permutes, a 30-field compile-cache key, the argument NamedTuples --
-around a ~13 us TVM-FFI launch (H100: 76-80 us per call vs 13-14 us; an H200 machine's host: 33-48 vs 6 us and
-18-20 us through this cache; ``scripts/gpu_host_floor.py``, docs/PERF.md section 2, session 12). The
-expert-parallel layer is host-bound and its slowest rank's host paces every all-to-all (docs/PERF.md
-section 2), and an interleaved step makes six such calls.
+around a ~13 us TVM-FFI launch (H100: 76-80 us per call vs 13-14 us; an H200 host: 33-48 vs 6 us and
+18-20 us through this cache). The expert-parallel layer is host-bound and its slowest rank's host paces every
+all-to-all, and an interleaved step makes six such calls (docs/PERF.md section 2).
 
 How: the first call of a signature runs QuACK's own path while a spy on QuACK's compile-cache functions records
 the compiled kernel and the exact arguments it was launched with. Each tensor among them is matched to the
@@ -25,9 +24,10 @@ signature means one compiled kernel and one argument recipe.
 What keeps QuACK's path: a launch whose arguments hold a tensor that is none of the inputs' views (QuACK
 allocated it), an int that looks like a device pointer, or not exactly one compiled-kernel call (the signature
 is then never cached); and, for this call only, inputs that alias each other or are empty, or an ambiguous
-permutation (a later call records instead). ``enabled = False`` turns the cache off (A/B benchmarks; QuACK's
-path every call). Results are bitwise the same either way: the same kernel on the same
-arguments (tests/test_cute_gpu.py).
+permutation (a later call records instead). Results are bitwise the same either way: the same kernel on the same
+arguments (tests/test_cute_gpu.py). Which QuACK functions are spied and how its per-call scheduler options are
+rebuilt is QuACK-specific: ``kernels/cute/quack_adapter.py`` builds the cache for QuACK; the code here names
+nothing of QuACK (tests/test_launch_cache.py runs it against a QuACK-like fake on the CPU).
 """
 
 from __future__ import annotations
@@ -129,38 +129,68 @@ class _Recipe:
         return ("c", x)
 
     def builder(self, recorded: bool = False) -> Callable:
-        """``build(inputs, ctx)`` -> the argument tuple, as one generated Python function (the launch's host time
-        is the point of this module: no interpretation of the node tree per call). ``recorded``: per-call
-        NamedTuples as recorded (for the check at record time, which must not run their builders: those may
-        count the launch, e.g. against an SM reservation)."""
-        names: dict[str, object] = {}
+        """``build(inputs, ctx)`` -> the argument list. The launch's host time is the point of this module, so the
+        node tree is turned into closures once here: each call fills a copy of the constant arguments with the
+        few that come from the inputs. ``recorded``: per-call NamedTuples as recorded (for the check at record
+        time, which must not run their builders: those may count the launch, e.g. against an SM reservation)."""
+        return _fill(self.nodes, self.per_call, recorded)
 
-        def const(obj) -> str:
-            name = f"_k{len(names)}"
-            names[name] = obj
-            return name
 
-        def expr(node) -> str:
-            kind = node[0]
-            if kind == "c":
-                return const(node[1])
-            if kind == "t":
-                e = f"i[{node[1]}]"
-                for op in node[2]:
-                    if op[0] == "view":
-                        e = f"{e}.view({const(op[1])})"
-                    elif op[0] == "unsqueeze":
-                        e = f"{e}.unsqueeze(0)"
-                    else:
-                        e = f"{e}.permute({op[1]!r})"
-                return e
-            if kind == "p":
-                return const(node[2]) if recorded else f"{const(self.per_call[node[1]])}({const(node[2])}, ctx)"
-            return f"{const(node[1])}({', '.join(expr(k) for k in node[2])})"
+def _part(node, per_call: dict, recorded: bool) -> tuple[bool, object]:
+    """(True, value) for a node that is the same at every call, else (False, get(inputs, ctx))."""
+    kind = node[0]
+    if kind == "c":
+        return True, node[1]
+    if kind == "t":
+        return False, _tensor_getter(node[1], node[2])
+    if kind == "p":
+        if recorded:
+            return True, node[2]
+        rebuild, recorded_value = per_call[node[1]], node[2]
+        return False, lambda inputs, ctx: rebuild(recorded_value, ctx)
+    cls, fill = node[1], _fill(node[2], per_call, recorded)
+    return False, lambda inputs, ctx: cls(*fill(inputs, ctx))
 
-        body = ", ".join(expr(n) for n in self.nodes)
-        exec(f"def build(i, ctx):\n    return ({body},)\n", names)  # noqa: S102 (our own recorded structure)
-        return names["build"]
+
+def _fill(nodes, per_call: dict, recorded: bool) -> Callable:
+    """``fill(inputs, ctx)`` -> [one value per node]: the constants copied, the rest computed."""
+    parts = [_part(n, per_call, recorded) for n in nodes]
+    template = [value if constant else None for constant, value in parts]
+    computed = tuple((pos, get) for pos, (constant, get) in enumerate(parts) if not constant)
+
+    def fill(inputs, ctx):
+        out = template.copy()
+        for pos, get in computed:
+            out[pos] = get(inputs, ctx)
+        return out
+
+    return fill
+
+
+def _tensor_getter(index: int, ops: tuple) -> Callable:
+    """``get(inputs, ctx)`` -> inputs[index] through the recorded view ops (the common chains unrolled)."""
+    if not ops:
+        return lambda inputs, ctx: inputs[index]
+    if len(ops) == 1:
+        kind, *arg = ops[0]
+        if kind == "permute":
+            return lambda inputs, ctx: inputs[index].permute(arg[0])
+        if kind == "unsqueeze":
+            return lambda inputs, ctx: inputs[index].unsqueeze(0)
+        return lambda inputs, ctx: inputs[index].view(arg[0])
+
+    def get(inputs, ctx):
+        t = inputs[index]
+        for op in ops:
+            if op[0] == "view":
+                t = t.view(op[1])
+            elif op[0] == "unsqueeze":
+                t = t.unsqueeze(0)
+            else:
+                t = t.permute(op[1])
+        return t
+
+    return get
 
 
 def _same_args(a, b) -> bool:
@@ -184,7 +214,6 @@ class LaunchCache:
     def __init__(self, compile_fns: Sequence[tuple[str, str]], per_call: dict[type, Callable] | None = None):
         self.compile_fns = tuple(compile_fns)
         self.per_call = dict(per_call or {})
-        self.enabled = True
         self._entries: dict = {}
         self._never: set = set()
         self.stats = {"fast": 0, "recorded": 0, "slow": 0}
@@ -195,9 +224,6 @@ class LaunchCache:
         and on the launch's device), in a fixed order per ``site_key`` (hashed at every call: keep it cheap);
         ``ctx``: passed to the per-call NamedTuple builders. Returns ``slow()``'s result on QuACK's path and None
         on the cached one (callers use their own output buffers)."""
-        if not self.enabled:
-            self.stats["slow"] += 1
-            return slow()
         key = (site_key, inputs[0].get_device(), *[None if t is None else (t.dtype, t.stride()) for t in inputs])
         entry = self._entries.get(key)
         if entry is not None:
@@ -234,8 +260,7 @@ class LaunchCache:
     @contextlib.contextmanager
     def spying(self, calls: list):
         """Inside: the compile-cache functions return kernels that append (kernel, arguments) to ``calls`` at
-        each launch (how a signature's first call is recorded; ``scripts/gpu_host_floor.py`` times the bare
-        kernel call with it)."""
+        each launch (how a signature's first call is recorded; also lets a benchmark time the bare kernel call)."""
         saved = []
         for mod_name, attr in self.compile_fns:
             module = importlib.import_module(mod_name)

@@ -9,6 +9,7 @@ kernel forgets to write shows up. Inputs are fresh random tensors (never zeros).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -164,7 +165,7 @@ def test_reserve_sms_same_bits_fewer_clusters():
     import quack.gemm_dact
     from quack import cute_dsl_utils
     from sonic_megatron.kernels.cute.ops import reserve_sms
-    from sonic_megatron.kernels.cute.sm_budget import reserved_sms
+    from sonic_megatron.kernels.sm_reservation import reserved_sms
 
     torch.zeros(1, device="cuda")  # a current CUDA context (the cluster query needs one; alone, no test made it)
     full = cute_dsl_utils.get_max_active_clusters(2)
@@ -187,45 +188,60 @@ def test_reserve_sms_same_bits_fewer_clusters():
         pass
 
 
+@contextlib.contextmanager
+def _quack_path_only():
+    """Test-only: every launch of the launch cache takes QuACK's own Python path (nothing recorded or cached)."""
+    from sonic_megatron.kernels.cute.quack_adapter import LAUNCHES
+
+    def quack_path(site_key, inputs, slow, ctx=None):
+        return slow()
+
+    LAUNCHES.launch = quack_path  # an instance attribute shadows the method
+    try:
+        yield
+    finally:
+        del LAUNCHES.launch
+
+
 def test_cached_quack_launches_give_the_same_bits():
-    """``ops.LAUNCHES`` (kernels/launch_cache.py): after a signature's first call the backend launches QuACK's
-    compiled kernels directly. Output and every gradient equal QuACK's own path bitwise, at the recorded size and
-    at other sizes (same signature), all six GEMMs of a forward + backward take the cached launch, and its grid
-    follows the SM reservation as QuACK's does."""
+    """``quack_adapter.LAUNCHES`` (kernels/launch_cache.py): after a signature's first call the backend launches
+    QuACK's compiled kernels directly. Output and every gradient equal QuACK's own path bitwise, at the recorded
+    size and at other sizes (same signature), all six GEMMs of a forward + backward take the cached launch, and
+    its grid follows the SM reservation as QuACK's does."""
     _require_cute()
     from quack import cute_dsl_utils
     from quack.tile_scheduler import TileSchedulerOptions
-    from sonic_megatron.kernels.cute import ops
+    from sonic_megatron.kernels.cute import quack_adapter
+    from sonic_megatron.kernels.sm_reservation import reserve_sms
 
+    launches = quack_adapter.LAUNCHES
     for T, kind in ((4096, "hot"), (1000, "uniform"), (3001, "single")):
         args = _case(T, 512, 256, 32, 4, kind=kind, seed=5)
-        ops.LAUNCHES.enabled = False
-        try:
+        with _quack_path_only():
             want = _run("cute", *args)
-        finally:
-            ops.LAUNCHES.enabled = True
         _run("cute", *args)  # records any signature not seen yet
-        before = ops.LAUNCHES.stats["fast"]
+        before = launches.stats["fast"]
         got = _run("cute", *args)
-        assert ops.LAUNCHES.stats["fast"] - before == 6, T
+        assert launches.stats["fast"] - before == 6, T
         for name in want:
             assert torch.equal(want[name], got[name]), (T, name)
     torch.zeros(1, device="cuda")
     full = cute_dsl_utils.get_max_active_clusters(2)
-    recorded = TileSchedulerOptions(max_active_clusters=ops._int32(1))
-    assert ops._scheduler_now(recorded, (2, None)).max_active_clusters.value == full
-    with ops.reserve_sms(16, gemms=1):
-        assert ops._scheduler_now(recorded, (2, None)).max_active_clusters.value == full - 8
-        assert ops._scheduler_now(recorded, (2, None)).max_active_clusters.value == full
+    recorded = TileSchedulerOptions(max_active_clusters=quack_adapter._int32(1))
+    scheduler_now = quack_adapter._scheduler_now
+    assert scheduler_now(recorded, (2, None)).max_active_clusters.value == full
+    with reserve_sms(16, gemms=1):
+        assert scheduler_now(recorded, (2, None)).max_active_clusters.value == full - 8
+        assert scheduler_now(recorded, (2, None)).max_active_clusters.value == full
     sem = torch.zeros(1, dtype=torch.int32, device="cuda")
-    assert ops._scheduler_now(recorded, (2, sem)).tile_count_semaphore == sem.data_ptr()
+    assert scheduler_now(recorded, (2, sem)).tile_count_semaphore == sem.data_ptr()
 
 
-@pytest.mark.parametrize("scheduler", ["dynamic", "auto"])
-def test_dynamic_tile_scheduler_gives_the_same_bits(scheduler, monkeypatch):
-    """``ops.SCHEDULER``: QuACK's dynamic persistent tile scheduler (CTAs take tiles from an atomic counter) in
-    every launch, or ("auto") in the launches past the reserved ones of ``reserve_sms(n, gemms=k)`` (here the
-    forward's down GEMM; the reservation covers the forward only). Output and every
+@pytest.mark.parametrize("where", ["past_reservation", "every_launch"])
+def test_dynamic_tile_scheduler_gives_the_same_bits(where, monkeypatch):
+    """QuACK's dynamic persistent tile scheduler (CTAs take tiles from an atomic counter) in the launches past
+    the reserved ones of ``reserve_sms(n, gemms=k)`` (``ops._dynamic``; here the forward's down GEMM, the
+    reservation covers the forward only), or, test-only, in every launch (all six GEMM kinds). Output and every
     gradient equal the static scheduler's bitwise, on QuACK's path and on the cached launch (a fresh counter per
     launch: a stale one would skip tiles)."""
     _require_cute()
@@ -234,22 +250,37 @@ def test_dynamic_tile_scheduler_gives_the_same_bits(scheduler, monkeypatch):
     counters = []
     semaphore = ops._semaphore
     monkeypatch.setattr(ops, "_semaphore", lambda dev: counters.append(1) or semaphore(dev))
-    monkeypatch.setattr(ops, "SCHEDULER", "static")
     for T, kind in ((4096, "hot"), (3001, "uniform")):
         args = _case(T, 512, 256, 32, 4, kind=kind, seed=7)
-        ops.SCHEDULER = "static"
-        want = _run("cute", *args)
+        want = _run("cute", *args)  # no reservation: the static scheduler everywhere
         assert not counters
-        ops.SCHEDULER = scheduler
-        for _ in range(3):  # first: records (QuACK's path), then cached launches
-            got = _run("cute", *args, forward_ctx=lambda: ops.reserve_sms(16, gemms=1))
-            for name in want:
-                assert torch.equal(want[name], got[name]), (scheduler, T, name)
-        assert len(counters) == 3 * (6 if scheduler == "dynamic" else 1), len(counters)
+        with monkeypatch.context() as patch:
+            if where == "every_launch":
+                patch.setattr(ops, "_dynamic", lambda: True)
+            for _ in range(3):  # first: records (QuACK's path), then cached launches
+                got = _run("cute", *args, forward_ctx=lambda: ops.reserve_sms(16, gemms=1))
+                for name in want:
+                    assert torch.equal(want[name], got[name]), (where, T, name)
+        assert len(counters) == 3 * (6 if where == "every_launch" else 1), len(counters)
         counters.clear()
-    ops.SCHEDULER = "sometimes"
-    with pytest.raises(ValueError, match="SCHEDULER"):
-        _run("cute", *args)
+
+
+@pytest.mark.parametrize("tuning", ["default", "heuristic_with_tiles"])
+def test_other_tunings_match_float64(tuning):
+    """``KernelOptions`` set in code: QuACK's untuned default config (its public interface), and the heuristic
+    with a tile override (``SONIC_MEGATRON_CUTE_TILES``'s form) for two GEMMs."""
+    _require_cute()
+    from sonic_megatron.kernels.options import kernel_options, set_kernel_options
+
+    before = kernel_options()
+    if tuning == "default":
+        set_kernel_options(dataclasses.replace(before, tuning="default"))
+    else:
+        set_kernel_options(dataclasses.replace(before, tuning="heuristic", tiles="dx=C128x128c21,dw2=P128x128"))
+    try:
+        _check(_case(333, 256, 128, 8, 2, seed=8))
+    finally:
+        set_kernel_options(before)
 
 
 def test_triton_metadata_matches_torch_on_gpu():

@@ -40,7 +40,18 @@ def _make_fake(name: str) -> types.ModuleType:
         return kernel
 
     def entry(
-        a_MK, w_KN, out_MN, idx=None, *, scale=2.0, clusters=8, extra=None, pointer=None, sched_tensor=None, sem=None
+        a_MK,
+        w_KN,
+        out_MN,
+        idx=None,
+        *,
+        scale=2.0,
+        clusters=8,
+        extra=None,
+        pointer=None,
+        sched_tensor=None,
+        sem=None,
+        chain=None,
     ):
         a = a_MK.unsqueeze(0)
         w = w_KN.permute(1, 0)
@@ -55,6 +66,9 @@ def _make_fake(name: str) -> types.ModuleType:
             return
         if pointer is not None:  # a device pointer passed as an int
             args.append(pointer)
+        if chain is not None:  # a view of several ops: dtype view (16-bit), leading unit dim, permutation
+            view = out_MN.view(torch.int16) if out_MN.dtype == torch.bfloat16 else out_MN
+            args.append(view.unsqueeze(0).permute(0, 2, 1))
         if sched_tensor is not None:  # a tensor inside the per-call NamedTuple (its builder keeps the rest)
             args[4] = Sched(clusters, a_MK)
         fn(*args)
@@ -98,21 +112,24 @@ def _launch(cache, mod, a, w, out, i, ctx=8, **kw):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_idx", [False, True])
-def test_cached_launch_gives_the_entry_points_arguments(fake, dtype, with_idx):
+@pytest.mark.parametrize("chain", [None, True])
+def test_cached_launch_gives_the_entry_points_arguments(fake, dtype, with_idx, chain):
     """First call records, later calls (new tensors, other sizes) launch directly with equal arguments."""
     ctxs = []
     cache = _cache(fake, ctxs)
+    kw = {} if chain is None else {"chain": chain}
     for step, M in enumerate((40, 40, 24, 64)):
         a, w, out, i = _inputs(M, dtype=dtype, seed=step, idx=with_idx)
-        _launch(cache, fake, a, w, out, i, ctx=7 + step)
+        _launch(cache, fake, a, w, out, i, ctx=7 + step, **kw)
         got = fake.launched[-1]
         ref_out = torch.full_like(out, float("nan"))
-        fake.entry(a, w, ref_out, i, clusters=7 + step)
+        fake.entry(a, w, ref_out, i, clusters=7 + step, **kw)
         want = fake.launched[-1]
         assert torch.equal(out, ref_out), M
         for x, y in zip(got, want, strict=True):
             if isinstance(x, torch.Tensor):
                 assert (x.dtype, x.shape, x.stride()) == (y.dtype, y.shape, y.stride()), M
+                assert x.data_ptr() == (y.data_ptr() if y.data_ptr() != ref_out.data_ptr() else out.data_ptr())
             elif isinstance(x, Epi):
                 assert x.out is out and x.scale == y.scale
             else:
@@ -177,15 +194,6 @@ def test_aliased_or_ambiguous_inputs_are_recorded_later(fake):
     a, w, out, _ = _inputs(8, K=1, N=1)
     _launch(cache, fake, a, w, out, None)
     assert cache.stats["recorded"] == 0 and cache.stats["slow"] == 1
-
-
-def test_disabled_cache_always_takes_the_entry_point(fake):
-    cache = _cache(fake)
-    cache.enabled = False
-    for seed in range(3):
-        a, w, out, i = _inputs(10, seed=seed)
-        _launch(cache, fake, a, w, out, i)
-    assert cache.stats == {"fast": 0, "recorded": 0, "slow": 3}
 
 
 def test_spy_is_removed_after_recording(fake):

@@ -14,7 +14,7 @@ Backward, per stage i:
 Async collectives need no private streams: NCCL orders each one after the current stream's queued work and
 ``wait()`` orders the current stream after it, so the schedule is race-free under repetition.
 GEMMs that run while a collective is in flight leave ``comm_sms`` SMs free (``ops.reserve_sms``): QuACK's
-persistent GEMMs otherwise hold every SM until they end and the collective cannot start (kernels/cute/sm_budget.py).
+persistent GEMMs otherwise hold every SM until they end and the collective cannot start (kernels/cute/quack_adapter.py).
 Forward and backward are written as step generators (``_forward_steps``, ``_backward_steps``) that yield right
 after launching collectives their next kernels wait for: the autograd node runs each to its end
 (``run_steps``); ``interleave.py`` alternates a forward with another micro-batch's backward.
@@ -97,7 +97,7 @@ def _free_sms(plan: EPPlan, comm_sms: int, overlap: bool, concurrent: bool, rese
     run beside every GEMM (``interleave.py``). There, with ``reservation`` "auto", only each call's first GEMM
     leaves SMs free: the NCCL kernel started beside it keeps its SMs into the second GEMM, which takes every SM
     with the cute backend's dynamic tile scheduler (its CTAs that wait for the NCCL kernel's SMs find the tiles
-    already taken by the running ones; ``kernels/cute/ops.py``'s ``SCHEDULER``). "all": every GEMM (also the only
+    already taken by the running ones; ``kernels/cute/ops.py``'s ``_dynamic``). "all": every GEMM (also the only
     policy with one micro-batch, whose stages' collectives are not bounded by one call)."""
     return _SMBudget(
         data=_comm_sms(plan, comm_sms, overlap, multi_stage_only=not concurrent),

@@ -1,27 +1,7 @@
 """Backend ``cute`` (Hopper, SM90): QuACK CuTe-DSL grouped GEMMs with SonicMoE's fusions and own Triton
-kernels for metadata and aggregation. Importing it needs the ``hopper`` extra and a CUDA build of torch.
-
-Compile cache: QuACK keeps compiled kernels as .o files and autotuning results on disk, both under
-``QUACK_CACHE_DIR``. Unless the caller set it, we point it at a persistent per-user folder
-(``$XDG_CACHE_HOME/sonic_megatron/quack``, default ``~/.cache/sonic_megatron/quack``) before QuACK is
-imported (it reads the variable at import), so a restarted job loads kernels in milliseconds instead of
-recompiling every layer shape. ``SONIC_MEGATRON_CACHE_DIR`` overrides the folder.
+kernels for metadata and aggregation (``ops.py``). Importing it needs the ``hopper`` extra at its tested versions
+and a CUDA build of torch: ``quack_adapter`` (imported first, before anything imports QuACK) checks both, points
+QuACK's compile cache at a persistent folder and holds every use of QuACK's internals.
 """
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    raise ImportError("the cute backend needs a CUDA build of torch and a GPU")
-
-
-def _default_cache_dir() -> str:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get("SONIC_MEGATRON_CACHE_DIR") or os.path.join(root, "sonic_megatron", "quack")
-
-
-os.environ.setdefault("QUACK_CACHE_DIR", _default_cache_dir())
-os.environ.setdefault("QUACK_CACHE_AUTOTUNING", "1")
-
-import quack  # noqa: E402, F401  (raises ImportError without the hopper extra)
+from . import quack_adapter  # noqa: F401  (raises ImportError, saying why, where the backend cannot run)

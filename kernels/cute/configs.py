@@ -1,15 +1,7 @@
-"""Tile configurations of the six grouped GEMMs on SM90, and how they are chosen.
+"""Tile configurations of the six grouped GEMMs on SM90 under the ``heuristic`` tuning (``kernels/options.py``).
 
-``SONIC_MEGATRON_CUTE_TUNING`` selects the policy (read at every call):
-    heuristic  (default) fixed tiles per GEMM from H100 measurements (below); compiles one kernel per config,
-               no autotuning, so the first call of a new shape costs compile time only.
-    autotune   QuACK's autotuner (tuned=True): benchmarks every valid config at the first call of each shape
-               (minutes; its key includes M, so varlen shapes that change every step re-tune), results cached
-               on disk (see ``kernels/cute/__init__.py``). For fixed-shape benchmarks.
-    default    QuACK's untuned default (128x192 Ping-Pong, cluster 2x1) for every GEMM.
-
-``SONIC_MEGATRON_CUTE_TILES`` overrides single GEMMs under ``heuristic``, e.g. ``dx=P192x128c12,dw1=C256x192c21``
-(C = cooperative, P = Ping-Pong, tile_m x tile_n, cluster m n); for tile sweeps without code changes.
+``KernelOptions.tiles`` (``SONIC_MEGATRON_CUTE_TILES``) overrides single GEMMs; the ``autotune`` and ``default``
+tunings use QuACK's own choice (``ops.py``).
 
 Where the heuristic comes from: QuACK's autotuner timed every valid config of each GEMM on an H100 at
 (T,d,n,E,K) = (24576,1536,256,128,8), (32768,2048,1024,64,8) and (32768,4096,1024,128,8); the tables are in
@@ -22,21 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import re
 
-from quack.gemm_config import GemmConfig
-
-POLICIES = ("heuristic", "autotune", "default")
-GEMMS = ("up", "down", "dh", "dw2", "dx", "dw1")
-_TILE_RE = re.compile(r"^([CP])(\d+)x(\d+)(?:c([12])([12]))?$")
-
-
-def policy() -> str:
-    value = os.environ.get("SONIC_MEGATRON_CUTE_TUNING", "heuristic")
-    if value not in POLICIES:
-        raise ValueError(f"SONIC_MEGATRON_CUTE_TUNING must be one of {POLICIES}, got {value!r}")
-    return value
+from ..options import GEMMS, TileSpec
+from .quack_adapter import GemmConfig
 
 
 def _config(kind: str, tile_m: int, tile_n: int, cluster_m: int = 2, cluster_n: int = 1) -> GemmConfig:
@@ -50,46 +30,25 @@ def _config(kind: str, tile_m: int, tile_n: int, cluster_m: int = 2, cluster_n: 
     )
 
 
-def parse_tile(spec: str) -> GemmConfig:
-    """``C128x256c21`` -> cooperative 128x256 tile, cluster 2x1 (cluster optional, default 2x1)."""
-    m = _TILE_RE.match(spec.strip())
-    if not m:
-        raise ValueError(f"SONIC_MEGATRON_CUTE_TILES: a tile must look like C128x256c21 or P192x128c12, got {spec!r}")
-    kind, tm, tn, cm, cn = m.groups()
-    return _config(kind, int(tm), int(tn), int(cm or 2), int(cn or 1))
-
-
-def _overrides(value: str) -> dict[str, GemmConfig]:
-    value = value.strip()
-    out = {}
-    for item in filter(None, (v.strip() for v in value.split(","))):
-        gemm, _, spec = item.partition("=")
-        if gemm not in GEMMS:
-            raise ValueError(f"SONIC_MEGATRON_CUTE_TILES: GEMM name must be one of {GEMMS}, got {gemm!r} in {item!r}")
-        out[gemm] = parse_tile(spec)
-    return out
-
-
-def heuristic_config(gemm: str, F: int, D: int, dynamic: bool = False) -> GemmConfig:
-    """``_tile_config`` under the current ``SONIC_MEGATRON_CUTE_TILES`` (memoized: called at every launch);
-    ``dynamic``: with QuACK's dynamic persistent tile scheduler (CTAs take tiles from an atomic counter)."""
-    return _heuristic_config(gemm, F, D, os.environ.get("SONIC_MEGATRON_CUTE_TILES", ""), dynamic)
+def _from_spec(spec: TileSpec) -> GemmConfig:
+    return _config("P" if spec.pingpong else "C", spec.tile_m, spec.tile_n, spec.cluster_m, spec.cluster_n)
 
 
 @functools.cache
-def _heuristic_config(gemm: str, F: int, D: int, tiles_env: str, dynamic: bool) -> GemmConfig:
-    config = _tile_config(gemm, F, D, tiles_env)
+def heuristic_config(gemm: str, F: int, D: int, tiles: tuple = (), dynamic: bool = False) -> GemmConfig:
+    """``_tile_config``, or the override of ``tiles`` (``KernelOptions.tiles``: ((gemm, TileSpec), ...)); memoized
+    (called at every launch; the launch cache keys on the returned object's id). ``dynamic``: with QuACK's
+    dynamic persistent tile scheduler (CTAs take tiles from an atomic counter)."""
+    override = dict(tiles).get(gemm)
+    config = _from_spec(override) if override is not None else _tile_config(gemm, F, D)
     return dataclasses.replace(config, is_dynamic_persistent=True) if dynamic else config
 
 
-def _tile_config(gemm: str, F: int, D: int, tiles_env: str) -> GemmConfig:
+def _tile_config(gemm: str, F: int, D: int) -> GemmConfig:
     """The tile config of GEMM ``gemm`` (one of GEMMS) at expert size F (n) and hidden size D (d).
 
     Each rule cites the measured cost relative to the best config at the three measured shapes
     (D, F) = (1536, 256), (2048, 1024), (4096, 1024) (docs/perf/quack-tiles-h100-2026-11-21.txt)."""
-    override = _overrides(tiles_env).get(gemm)
-    if override is not None:
-        return override
     if gemm == "up":  # N = 2F, gathered X, SwiGLU epilogue: C128x256 best at all three
         return _config("C", 128, 256) if F >= 128 else _config("P", 128, 128)
     if gemm == "down":  # N = D, contiguous A': P128x192c21 1.014 / 1.000 / 1.108; C256x128c12 1.010 / 1.016 / 1.000

@@ -17,34 +17,26 @@ Weights stay in Megatron's layout (w1_EGD [E, 2F, D] with ``[gate ; up]`` rows, 
 ``concat_layout`` makes the kernels read (and dW1's epilogue write) the concatenated halves as interleaved
 gate/up pairs, so no weight is ever copied. H and dH live in the interleaved layout [R, (gate_f, up_f)...]
 that the gated epilogues produce; only this backend reads them. No host sync anywhere (varlen GEMMs read
-expert_offsets on the device). Under the default tile policy every GEMM launch goes through ``LAUNCHES``
-(kernels/launch_cache.py): QuACK's Python path on a call signature's first call, the compiled kernel directly after;
-and the GEMMs that take every SM while a collective may still hold some (past the reserved launches of
-``reserve_sms(n, gemms=k)``) use QuACK's dynamic tile scheduler (``SCHEDULER``).
+expert_offsets on the device). The tuning (``kernels/options.py``, resolved once) picks the tiles: under the default
+``heuristic`` every GEMM launch goes through ``quack_adapter.LAUNCHES`` (kernels/launch_cache.py): QuACK's Python
+path on a call signature's first call, the compiled kernel directly after; and the GEMMs that take every SM while
+a collective may still hold some (past the reserved launches of ``reserve_sms(n, gemms=k)``) use QuACK's dynamic
+tile scheduler (``_dynamic``). ``autotune`` and ``default`` call QuACK's public interface.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
-from cutlass import Int32
-from quack import gemm_interface as qgemm
-from quack.gemm_dact import gemm_dact
-from quack.tile_scheduler import TileSchedulerOptions
+from quack import gemm_interface as qgemm  # after the package's quack_adapter: versions checked, cache set
 
 from ..activations import GATED_ACTIVATIONS
-from ..launch_cache import LaunchCache
+from ..options import kernel_options
 from ..routing import RoutingMetadata
-from ..sm_reservation import past_reservation
+from ..sm_reservation import past_reservation, reserve_sms
 from ..torch_backend import check_weight_grad_out
 from ..triton import compute_metadata_topk_triton, compute_metadata_triton, gather_sum
-from .configs import heuristic_config, policy
-from .sm_budget import clusters_now, reserve_sms
-from .sm_budget import install as _install_sm_budget
-
-_install_sm_budget()  # QuACK GEMMs honour ``reserve_sms`` (leave SMs to a concurrent collective)
+from . import quack_adapter
+from .configs import heuristic_config
 
 # Routing metadata for this backend: our Triton kernels (same contract and results as
 # ``routing.compute_metadata_torch``, checked bitwise on GPU in tests/test_cute_gpu.py). The shared interface
@@ -92,69 +84,22 @@ def _check_rows(meta: RoutingMetadata) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# QuACK calls under the tuning policy of configs.py
+# QuACK calls under the tuning of kernels/options.py
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _scheduler_now(recorded, ctx):
-    """QuACK's scheduler options of a cached launch, with this launch's grid size (SM reservation) and semaphore.
-    ``ctx`` = (CTAs per cluster, the dynamic tile scheduler's zeroed int32 counter or None)."""
-    cluster_size, semaphore = ctx
-    return TileSchedulerOptions(
-        _int32(clusters_now(cluster_size)),
-        recorded.raster_order,
-        recorded.max_swizzle_size,
-        None if semaphore is None else semaphore.data_ptr(),
-        recorded.batch_idx_permute,
-    )
-
-
-@functools.cache
-def _int32(n: int):
-    return Int32(n)
-
-
-# QuACK launches under the heuristic policy go through this cache (kernels/launch_cache.py): 18-20 us of host
-# time per GEMM instead of 33-48 (an H200 machine's host). LAUNCHES.enabled = False: QuACK's own path at every
-# call (A/B benchmarks).
-LAUNCHES = LaunchCache(
-    (
-        ("quack.gemm", "_compile_gemm"),
-        ("quack.gemm_act", "_compile_gemm_act"),
-        ("quack.gemm_dact", "_compile_gemm_dact"),
-    ),
-    per_call={TileSchedulerOptions: _scheduler_now},
-)
-
-
-# Which launches use QuACK's dynamic persistent tile scheduler (each CTA takes its next tile from an atomic counter
-# instead of striding through the tiles by the grid size) under the heuristic policy. ``SCHEDULER`` is read at every
-# launch (A/B benchmarks set it); its default comes from SONIC_MEGATRON_CUTE_SCHEDULER at import:
-#   "auto"     (default) the launches past the reserved ones of a ``reserve_sms(n, gemms=k)`` context: they take
-#              every SM while the collective the reservation was made for may still hold some. Their CTAs for
-#              those SMs start only when the collective's kernel ends; with a fixed stride the tiles of those CTAs
-#              then finish last, with the counter the CTAs already running take them. Paired at EP 4 against
-#              "static" (interleaved step, comm_sms 32): 0.07-0.12 ms less at T = 16384, 0.87-1.12 ms less at
-#              T = 65536 (docs/PERF.md section 2, session 13). Static elsewhere, where the counter's zeroing costs
-#              a launch and saves nothing;
-#   "static"   none (QuACK's default on SM90);
-#   "dynamic"  every launch.
-# Results are bitwise the same under each (every tile is computed by one CTA, the same way).
-SCHEDULERS = ("auto", "static", "dynamic")
-SCHEDULER = os.environ.get("SONIC_MEGATRON_CUTE_SCHEDULER", "auto")
-
-
 def _dynamic() -> bool:
-    """Whether the GEMM launched now uses the dynamic tile scheduler (``SCHEDULER``)."""
-    if SCHEDULER == "auto":
-        return past_reservation()
-    if SCHEDULER == "static":
-        return False
-    if SCHEDULER == "dynamic":
-        return True
-    raise ValueError(
-        f"kernels.cute.ops.SCHEDULER (SONIC_MEGATRON_CUTE_SCHEDULER) must be one of {SCHEDULERS}, got {SCHEDULER!r}"
-    )
+    """Whether the GEMM launched now uses QuACK's dynamic persistent tile scheduler (each CTA takes its next tile
+    from an atomic counter instead of striding through the tiles by the grid size): the launches past the reserved
+    ones of a ``reserve_sms(n, gemms=k)`` context. They take every SM while the collective the reservation was
+    made for may still hold some; their CTAs for those SMs start only when the collective's kernel ends, and with
+    a fixed stride the tiles of those CTAs would then finish last, with the counter the CTAs already running take
+    them. Paired at EP 4 against the static scheduler everywhere (interleaved step, comm_sms 32): 0.07-0.12 ms
+    less at T = 16384, 0.87-1.12 ms less at T = 65536; the dynamic scheduler in every launch gained less in the
+    same A/B (0.04 vs 0.11 ms at T = 16384; docs/PERF.md section 2). Static elsewhere, where the counter's
+    zeroing costs a launch and saves nothing. Results are bitwise the same either way (every tile is computed
+    by one CTA, the same way)."""
+    return past_reservation()
 
 
 def _semaphore(device):
@@ -162,16 +107,11 @@ def _semaphore(device):
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def _heuristic_launch(gemm: str, F: int, D: int, device):
-    """(tile config, tile counter) of a GEMM launched now under the heuristic policy: the counter (zeroed) when
-    the launch uses the dynamic tile scheduler (``SCHEDULER``), else None."""
+def _heuristic_launch(gemm: str, F: int, D: int, tiles: tuple, device):
+    """(tile config, tile counter) of a GEMM launched now under the heuristic tuning: the counter (zeroed) when
+    the launch uses the dynamic tile scheduler (``_dynamic``), else None."""
     dynamic = _dynamic()
-    return heuristic_config(gemm, F, D, dynamic), (_semaphore(device) if dynamic else None)
-
-
-def _clusters(config) -> int:
-    """CTAs per cluster as QuACK's ``gemm`` sizes its grid (``gemm_act`` / ``gemm_dact``: without cluster_k)."""
-    return config.cluster_m * config.cluster_n * config.cluster_k
+    return heuristic_config(gemm, F, D, tiles, dynamic), (_semaphore(device) if dynamic else None)
 
 
 def _gemm(
@@ -190,27 +130,11 @@ def _gemm(
 ):
     """out = A @ B, or out += A @ B with ``add_to_output`` (QuACK's TMA reduce-add store: each element is
     added once by the one tile that owns it, so the result is deterministic; not with varlen-M)."""
-    pol = policy()
-    if pol == "heuristic":
-        config, sem = _heuristic_launch(gemm, F, D, A.device)
-
-        def quack_path():
-            qgemm.gemm_tuned.fn(
-                A,
-                B,
-                out,
-                cu_seqlens_m=cu_seqlens_m,
-                cu_seqlens_k=cu_seqlens_k,
-                A_idx=A_idx,
-                add_to_output=add_to_output,
-                dynamic_scheduler=sem is not None,
-                config=config,
-                concat_layout=concat_layout,
-            )
-
-        site = ("gemm", id(config), concat_layout, add_to_output)  # configs are memoized: id() is stable
-        inputs = (A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx)
-        LAUNCHES.launch(site, inputs, quack_path, ctx=(_clusters(config), sem))
+    options = kernel_options()
+    if options.tuning == "heuristic":
+        config, sem = _heuristic_launch(gemm, F, D, options.tiles, A.device)
+        args = (A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx, concat_layout, add_to_output)
+        quack_adapter.gemm(config, sem, *args)
     else:
         (qgemm.gemm_add_inplace if add_to_output else qgemm.gemm)(
             A,
@@ -220,34 +144,16 @@ def _gemm(
             cu_seqlens_k=cu_seqlens_k,
             A_idx=A_idx,
             dynamic_scheduler=False,
-            tuned=pol == "autotune",
+            tuned=options.tuning == "autotune",
             concat_layout=concat_layout,
         )
 
 
 def _gemm_gated(F: int, A, B, preact_out, postact_out, activation, cu_seqlens_m, A_idx):
-    pol = policy()
-    if pol == "heuristic":
-        config, sem = _heuristic_launch("up", F, A.shape[1], A.device)
-
-        def quack_path():
-            qgemm.gemm_gated_tuned.fn(
-                A,
-                B,
-                preact_out,
-                postact_out,
-                activation=activation,
-                cu_seqlens_m=cu_seqlens_m,
-                A_idx=A_idx,
-                dynamic_scheduler=sem is not None,
-                config=config,
-                concat_layout=("B",),
-            )
-
-        inputs = (A, B, preact_out, postact_out, cu_seqlens_m, A_idx)
-        # gemm_act sizes its grid by cluster_m * cluster_n (gemm by cluster_m * cluster_n * cluster_k)
-        ctx = (config.cluster_m * config.cluster_n, sem)
-        LAUNCHES.launch(("gated", id(config), activation), inputs, quack_path, ctx=ctx)
+    options = kernel_options()
+    if options.tuning == "heuristic":
+        config, sem = _heuristic_launch("up", F, A.shape[1], options.tiles, A.device)
+        quack_adapter.gemm_gated(config, sem, A, B, preact_out, postact_out, activation, cu_seqlens_m, A_idx)
     else:
         qgemm.gemm_gated(
             A,
@@ -259,49 +165,22 @@ def _gemm_gated(F: int, A, B, preact_out, postact_out, activation, cu_seqlens_m,
             A_idx=A_idx,
             store_preact=preact_out is not None,
             dynamic_scheduler=False,
-            tuned=pol == "autotune",
+            tuned=options.tuning == "autotune",
             concat_layout=("B",),
         )
 
 
 def _gemm_dgated(F: int, A, B, preact, dx_out, postact_out, colvec_scale, activation, cu_seqlens_m, A_idx):
     """dH GEMM; returns dS per row (fp32). Varlen-M with gathered A only (as ``backward_data`` calls it)."""
-    pol = policy()
-    if pol == "heuristic":
-        config, sem = _heuristic_launch("dh", F, A.shape[1], A.device)
+    options = kernel_options()
+    if options.tuning == "heuristic":
+        config, sem = _heuristic_launch("dh", F, A.shape[1], options.tiles, A.device)
         # The colvec reduction's per-(row, N tile) partials, which QuACK's gemm_dgated_tuned would allocate
         # itself: allocated here, so that the launch reads only our tensors (cacheable), and summed below as
         # gemm_dgated_tuned sums them.
         partial = torch.empty(A_idx.shape[0], -(-F // config.tile_n), dtype=torch.float32, device=A.device)
-
-        def quack_path():
-            gemm_dact(
-                A,
-                B.mT,
-                dx_out,
-                preact,
-                postact_out,
-                sem,
-                activation,
-                config.tile_m,
-                config.tile_n,
-                config.cluster_m,
-                config.cluster_n,
-                tile_K=config.tile_k,
-                pingpong=config.pingpong,
-                persistent=True,
-                is_dynamic_persistent=sem is not None,
-                max_swizzle_size=config.max_swizzle_size,
-                colvec_scale=colvec_scale,
-                colvec_reduce=partial,
-                cu_seqlens_m=cu_seqlens_m,
-                A_idx=A_idx,
-                use_tma_gather=config.use_tma_gather,
-            )
-
-        inputs = (A, B, dx_out, preact, postact_out, colvec_scale, partial, cu_seqlens_m, A_idx)
-        ctx = (config.cluster_m * config.cluster_n, sem)
-        LAUNCHES.launch(("dgated", id(config), activation), inputs, quack_path, ctx=ctx)
+        args = (A, B, preact, dx_out, postact_out, colvec_scale, partial, activation, cu_seqlens_m, A_idx)
+        quack_adapter.gemm_dgated(config, sem, *args)
         return partial.sum(dim=-1)
     return qgemm.gemm_dgated(
         A,
@@ -315,7 +194,7 @@ def _gemm_dgated(F: int, A, B, preact, dx_out, postact_out, colvec_scale, activa
         cu_seqlens_m=cu_seqlens_m,
         A_idx=A_idx,
         dynamic_scheduler=False,
-        tuned=pol == "autotune",
+        tuned=options.tuning == "autotune",
     )[2]
 
 

@@ -27,12 +27,13 @@ what the autograd graph retains. ``bound_MiB``: the target 2Td + 4TKn + metadata
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
 import statistics
 import time
 
 import torch
 
+from ..kernels.options import kernel_options, set_kernel_options
 from .common import print_table, write_json
 
 DEFAULT_CONFIGS = ("24576,1536,256,128,8", "32768,2048,1024,64,8", "32768,4096,1024,128,8")
@@ -56,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tuning",
         default=None,
         choices=("heuristic", "autotune", "default"),
-        help="tile policy of the cute backend (sets SONIC_MEGATRON_CUTE_TUNING; default: leave it as is)",
+        help="tile policy of the cute backend (replaces SONIC_MEGATRON_CUTE_TUNING's; default: leave it as is)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed of inputs and weights")
     parser.add_argument(
@@ -273,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
         print("bench experts needs a CUDA GPU")
         return 2
     if args.tuning:
-        os.environ["SONIC_MEGATRON_CUTE_TUNING"] = args.tuning
+        set_kernel_options(dataclasses.replace(kernel_options(), tuning=args.tuning))
     names = [p.strip() for p in args.providers.split(",") if p.strip()]
     bad = sorted(set(names) - set(PROVIDERS))
     if bad:
@@ -327,5 +328,5 @@ COLUMNS += ["fwdbwd_ms_interleaved", "vs_sonic_paired", "act_MiB", "bound_MiB", 
 
 
 def _payload(rows: list[dict]) -> dict:
-    tuning = os.environ.get("SONIC_MEGATRON_CUTE_TUNING", "heuristic")
+    tuning = kernel_options().tuning
     return {"benchmark": "experts", "dtype": "bfloat16", "cute_tuning": tuning, "rows": rows}
