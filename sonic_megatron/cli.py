@@ -4,12 +4,37 @@
     bench experts|dispatch|layer|train ...   benchmarks: print a table, write JSON (--json PATH)
 
 Each benchmark lives in ``sonic_megatron/bench/<name>.py`` with ``add_arguments(parser)`` and ``run(args)``.
+Help is plain text: ``PlainTextParser`` (which every subcommand's parser inherits) drops the reST markup that
+help strings taken from docstrings carry.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
+
+# :role:`target` (:role:`~a.b.c` shows as c, as Sphinx does), ``literal``, `quoted`.
+_ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`(~(?:[\w.]*\.)?)?([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
+_QUOTED = re.compile(r"`([^`]+)`")
+
+
+def plain_text(text: str) -> str:
+    """``text`` without reST roles, double-backtick literals and backtick quotes (their contents stay)."""
+    return _QUOTED.sub(r"\1", _LITERAL.sub(r"\1", _ROLE.sub(r"\2", text)))
+
+
+class PlainTextParser(argparse.ArgumentParser):
+    """An ArgumentParser whose help and usage are plain text. ``add_subparsers`` builds subcommand parsers
+    with the parent's class, so subcommands registered later are plain text too."""
+
+    def format_help(self) -> str:
+        return plain_text(super().format_help())
+
+    def format_usage(self) -> str:
+        return plain_text(super().format_usage())
+
 
 BENCHMARKS = {
     "experts": "one GPU's experts: ours vs sonic-moe, torch._grouped_mm MoE, cuBLAS bmm bound",
@@ -20,7 +45,9 @@ BENCHMARKS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m sonic_megatron", description=__doc__.split("\n")[0])
+    parser = PlainTextParser(
+        prog="python -m sonic_megatron", description="sonic-megatron's command line: environment report, benchmarks"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     env = sub.add_parser("env", help="print what this machine can run")
     env.set_defaults(func=_run_env)
