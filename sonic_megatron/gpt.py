@@ -137,15 +137,20 @@ def transformer_config(preset: Preset, *, ep: int, dtype: torch.dtype, **overrid
 
 
 def layer_spec(config, spec: str, sonic_config: SonicConfig | None = None):
-    """Decoder block spec: ``stock`` (Megatron's, SequentialMLP or TEGroupedMLP experts) or ``sonic``."""
+    """Decoder block spec: ``stock`` (Megatron's, SequentialMLP or TEGroupedMLP experts), ``grouped`` (stock
+    MoE layer with ``sonic_megatron.baseline``'s grouped-GEMM experts) or ``sonic``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     use_te = _have_te() and torch.cuda.is_available()
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te)
     if spec == "stock":
         return block
+    if spec == "grouped":
+        from .baseline import swap_experts_spec
+
+        return swap_experts_spec(block)
     if spec != "sonic":
-        raise ValueError(f"spec must be 'sonic' or 'stock', got {spec!r}")
+        raise ValueError(f"spec must be 'sonic', 'grouped' or 'stock', got {spec!r}")
     from .spec import swap_moe_spec
 
     return swap_moe_spec(block, sonic_config)

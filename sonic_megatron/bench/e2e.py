@@ -1,0 +1,425 @@
+"""``python -m sonic_megatron bench e2e``: Megatron-LM's own ``pretrain_gpt.py`` per provider, end to end.
+
+Each provider is one ``torchrun ... pretrain_gpt.py`` run (same flags, seed and mock data), one after another
+on this machine; the iteration log gives ms/iteration (median of the iterations after ``--warmup``, with the
+min/max spread), tokens/s/GPU, Megatron's TFLOP/s/GPU, peak allocated memory (Megatron's memory report of
+rank 0, after iterations 1, 2 and the last one) and the loss curve. Providers:
+
+    sonic           --spec sonic_megatron.spec sonic_block_spec (SONIC_MEGATRON_TOKEN_ROUNDING=none)
+    sonic-rounding  the same with SONIC_MEGATRON_TOKEN_ROUNDING=nearest
+    grouped         --spec sonic_megatron.baseline grouped_block_spec: Megatron's MoE layer and alltoall
+                    dispatcher, experts on torch._grouped_mm (TEGroupedMLP with Transformer Engine): the baseline
+    sequential      no --spec: Megatron's default local spec (SequentialMLP experts)
+
+Needs megatron-core >= 0.19 (``megatron.training`` in its wheel), CUDA, and the Megatron-LM files of
+``python -m sonic_megatron.bench.megatron_lm`` in ``--megatron-lm`` (default ``.mlm``). Every provider's exact
+command is printed before it starts and its whole output goes to a log file next to ``--json``; a provider
+that fails or passes ``--timeout`` is reported with the tail of its log and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from .e2e_log import LOSS_KEY, MS_KEY, TFLOPS_KEY, failure_excerpt, parse_iteration, parse_log, summarize
+from .megatron_lm import install_dataset_sources
+
+BASELINE = "grouped"
+DEFAULT_PROVIDERS = "sonic,sonic-rounding,grouped"
+LOG_TAIL_LINES = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A GPT-MoE shape; every layer is a MoE layer."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    micro_batch: int
+    global_batch: int
+    experts: int
+    topk: int
+    moe_ffn: int
+
+
+CONFIGS = {
+    # Qwen3-30B-A3B's MoE shape with 4 of its 48 layers.
+    "qwen3": Shape(
+        layers=4, hidden=2048, heads=16, seq=2048, micro_batch=4, global_batch=16, experts=128, topk=8, moe_ffn=768
+    ),
+    # The same with twice the experts at 2/3 of the width: sparser, smaller GEMMs per expert.
+    "sparse": Shape(
+        layers=4, hidden=2048, heads=16, seq=2048, micro_batch=4, global_batch=16, experts=256, topk=8, moe_ffn=512
+    ),
+    # A quick launcher check (tens of seconds): 2 layers, 16 experts top-4.
+    "small": Shape(
+        layers=2, hidden=1024, heads=8, seq=1024, micro_batch=4, global_batch=16, experts=16, topk=4, moe_ffn=512
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Provider:
+    """How a provider differs from the others: its ``--spec`` (module, function) or None, and its env."""
+
+    spec: tuple[str, str] | None
+    env: dict[str, str]
+
+
+PROVIDERS = {
+    "sonic": Provider(("sonic_megatron.spec", "sonic_block_spec"), {"SONIC_MEGATRON_TOKEN_ROUNDING": "none"}),
+    "sonic-rounding": Provider(
+        ("sonic_megatron.spec", "sonic_block_spec"), {"SONIC_MEGATRON_TOKEN_ROUNDING": "nearest"}
+    ),
+    "grouped": Provider(("sonic_megatron.baseline", "grouped_block_spec"), {}),
+    "sequential": Provider(None, {}),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default="qwen3", help=f"model shape: {', '.join(CONFIGS)}")
+    parser.add_argument(
+        "--providers", default=DEFAULT_PROVIDERS, help=f"comma-separated, run in order: {', '.join(PROVIDERS)}"
+    )
+    parser.add_argument("--megatron-lm", default=".mlm", help="directory holding Megatron-LM's pretrain_gpt.py")
+    parser.add_argument("--nproc", type=int, default=None, help="GPUs (processes) per run (default: all GPUs)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    parser.add_argument("--iters", type=int, default=30, help="training iterations per provider")
+    parser.add_argument("--warmup", type=int, default=5, help="first iterations left out of the statistics")
+    parser.add_argument("--seed", type=int, default=1234, help="Megatron's --seed (the same for every provider)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per provider run")
+    parser.add_argument("--log-dir", default=None, help="per-provider logs (default: next to --json, else out/)")
+    parser.add_argument("--pretrain-args", default="", help="extra pretrain_gpt.py flags for every provider")
+    parser.add_argument("--dry-run", action="store_true", help="print each provider's command and stop")
+    parser.add_argument(
+        "--print-flags",
+        action="store_true",
+        help="print the shared pretrain_gpt.py flags of --config/--iters/--ep/--seed, one per line, and stop",
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Arguments and commands
+# ----------------------------------------------------------------------------------------------------------
+
+
+def parse_providers(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"--providers: expected at least one of {', '.join(PROVIDERS)}, got {text!r}")
+    for n in names:
+        if n not in PROVIDERS:
+            raise ValueError(f"--providers: unknown provider {n!r}; allowed: {', '.join(PROVIDERS)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--providers: each provider once, got {text!r}")
+    return names
+
+
+def validate(args: argparse.Namespace, *, gpu_count: int) -> tuple[Shape, list[str], int]:
+    """(shape, providers, nproc) for valid arguments; ValueError naming the flag otherwise."""
+    if args.config not in CONFIGS:
+        raise ValueError(f"--config: unknown config {args.config!r}; allowed: {', '.join(CONFIGS)}")
+    shape = CONFIGS[args.config]
+    providers = parse_providers(args.providers)
+    nproc = args.nproc if args.nproc is not None else gpu_count
+    if nproc < 1:
+        raise ValueError(
+            f"--nproc: must be >= 1, got {nproc}"
+            + (" (no CUDA device visible; pretrain_gpt.py needs GPUs)" if args.nproc is None else "")
+        )
+    if args.ep < 1 or nproc % args.ep or shape.experts % args.ep:
+        raise ValueError(
+            f"--ep: must divide --nproc ({nproc}) and the {args.config} experts ({shape.experts}), got {args.ep}"
+        )
+    if shape.global_batch % (shape.micro_batch * nproc):
+        raise ValueError(
+            f"--nproc: {args.config}'s global batch {shape.global_batch} must be a multiple of micro-batch "
+            f"{shape.micro_batch} x data-parallel size (= --nproc), got --nproc {nproc}"
+        )
+    if args.iters < 1 or not 0 <= args.warmup < args.iters:
+        raise ValueError(f"--warmup: must be in [0, --iters), got --warmup {args.warmup} --iters {args.iters}")
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout: must be > 0 seconds, got {args.timeout}")
+    return shape, providers, nproc
+
+
+def pretrain_flags(shape: Shape, *, iters: int, ep: int, seed: int) -> list[str]:
+    """pretrain_gpt.py flags shared by every provider: the shape, bf16 SwiGLU without biases, the alltoall
+    dispatcher with aux loss and an fp32 router, mock data, the local transformer implementation (no
+    Transformer Engine needed), fused kernels off (they need apex/TE), a log line per iteration with
+    throughput, and a memory report at the last iteration too."""
+    return [
+        *("--num-layers", str(shape.layers), "--hidden-size", str(shape.hidden)),
+        *("--num-attention-heads", str(shape.heads), "--seq-length", str(shape.seq)),
+        *("--max-position-embeddings", str(shape.seq)),
+        *("--micro-batch-size", str(shape.micro_batch), "--global-batch-size", str(shape.global_batch)),
+        *("--train-iters", str(iters), "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine"),
+        *("--lr-warmup-iters", "2", "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", str(seed)),
+        *("--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000"),
+        *("--num-experts", str(shape.experts), "--moe-router-topk", str(shape.topk)),
+        *("--moe-ffn-hidden-size", str(shape.moe_ffn), "--expert-model-parallel-size", str(ep)),
+        *("--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss"),
+        *("--moe-aux-loss-coeff", "1e-2", "--moe-router-dtype", "fp32"),
+        *("--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope"),
+        *("--untie-embeddings-and-output-weights", "--bf16", "--transformer-impl", "local"),
+        *("--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion"),
+        *("--no-persist-layer-norm", "--no-rope-fusion"),
+        *("--log-interval", "1", "--log-throughput", "--log-memory-interval", str(iters)),
+        *("--eval-iters", "0", "--eval-interval", "1000000"),
+    ]
+
+
+def provider_flags(name: str) -> list[str]:
+    spec = PROVIDERS[name].spec
+    return ["--spec", *spec] if spec else []
+
+
+def torchrun_command(pretrain_gpt: str, nproc: int, flags: list[str], python: str = sys.executable) -> list[str]:
+    # --standalone: a fresh rendezvous on a free local port per run, so that back-to-back runs never collide.
+    return [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), pretrain_gpt, *flags]
+
+
+def provider_env(name: str, mlm_dir: str, base: dict[str, str]) -> dict[str, str]:
+    """``base`` with Megatron-LM's files and this checkout first on PYTHONPATH (pretrain_gpt.py imports
+    gpt_builders/model_provider as top-level modules; --spec imports sonic_megatron), one NCCL connection
+    per device as Megatron asks, and the provider's own variables."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    paths = [os.path.abspath(mlm_dir), repo] + ([base["PYTHONPATH"]] if base.get("PYTHONPATH") else [])
+    return {**base, "PYTHONPATH": os.pathsep.join(paths), "CUDA_DEVICE_MAX_CONNECTIONS": "1", **PROVIDERS[name].env}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Running
+# ----------------------------------------------------------------------------------------------------------
+
+
+def run_logged(
+    cmd: list[str], env: dict[str, str], log_path: str, timeout: float, on_line: Callable[[str], None]
+) -> tuple[int | None, bool]:
+    """Run ``cmd`` in its own process group, its output (stdout + stderr) to ``log_path`` and, line by line,
+    to ``on_line``; after ``timeout`` seconds the group gets SIGTERM, then SIGKILL. Returns (exit code,
+    timed out)."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+
+        def pump():
+            for line in proc.stdout:
+                log.write(line)
+                on_line(line)
+            log.flush()
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _stop_group(proc)
+        reader.join(timeout=30)
+    return proc.returncode, timed_out
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the run's process group (torchrun passes it to its workers), SIGKILL after 20 s."""
+    for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _progress_printer(name: str, iters: int) -> Callable[[str], None]:
+    """Prints iteration 1, every 10th and the last one of a run as they come."""
+
+    def on_line(line: str) -> None:
+        it = parse_iteration(line)
+        if it is None or not (it["iteration"] in (1, iters) or it["iteration"] % 10 == 0):
+            return
+        parts = [f"  [{name}] iteration {it['iteration']}/{it['train_iters']}"]
+        if MS_KEY in it:
+            parts.append(f"{it[MS_KEY]:.1f} ms")
+        if TFLOPS_KEY in it:
+            parts.append(f"{it[TFLOPS_KEY]:.1f} TFLOP/s/GPU")
+        if LOSS_KEY in it:
+            parts.append(f"lm loss {it[LOSS_KEY]:.4f}")
+        print(", ".join(parts), flush=True)
+
+    return on_line
+
+
+def _log_excerpt(log_path: str) -> list[str]:
+    with open(log_path, errors="replace") as f:
+        return failure_excerpt([line.rstrip("\n") for line in f], tail=LOG_TAIL_LINES)
+
+
+def run_provider(name: str, index: int, count: int, cmd: list[str], env: dict, log_path: str, args) -> dict:
+    shape = CONFIGS[args.config]
+    tag = f"[{index}/{count}] {name}"
+    extra_env = " ".join(f"{k}={v}" for k, v in PROVIDERS[name].env.items())
+    print(f"{tag}: starting, log {log_path}", flush=True)
+    print(f"  {extra_env + ' ' if extra_env else ''}{shlex.join(cmd)}", flush=True)
+    t0 = time.perf_counter()
+    rc, timed_out = run_logged(cmd, env, log_path, args.timeout, _progress_printer(name, args.iters))
+    elapsed = time.perf_counter() - t0
+    with open(log_path, errors="replace") as f:
+        parsed = parse_log(f)
+    stats = summarize(
+        parsed,
+        warmup=args.warmup,
+        tokens_per_iteration=shape.global_batch * shape.seq,
+        num_gpus=args.nproc_resolved,
+    )
+    if timed_out:
+        status = "timeout"
+    elif rc != 0:
+        status = "failed"
+    elif stats["iterations_timed"] == 0:
+        status = "no-iterations"  # exited 0 without the iteration lines (not Megatron's launcher?)
+    else:
+        status = "ok"
+    row = {
+        "provider": name,
+        "status": status,
+        "returncode": rc,
+        "elapsed_s": elapsed,
+        "spec": " ".join(PROVIDERS[name].spec) if PROVIDERS[name].spec else None,
+        "env": PROVIDERS[name].env,
+        "command": cmd,
+        "log": log_path,
+        **stats,
+    }
+    summary = f"{tag}: {status} in {elapsed:.1f} s (rc {rc})"
+    if stats["ms_per_iter_median"] is not None:
+        summary += (
+            f", {stats['ms_per_iter_median']:.1f} ms/iter (min {stats['ms_per_iter_min']:.1f}, max "
+            f"{stats['ms_per_iter_max']:.1f}), peak allocated {stats['peak_allocated_mib'] or 0:.0f} MiB"
+        )
+    print(summary, flush=True)
+    if status != "ok":
+        row["log_tail"] = _log_excerpt(log_path)
+        print(f"  first error and last lines of {log_path}:", flush=True)
+        for line in row["log_tail"]:
+            print(f"  | {line}", flush=True)
+    return row
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """speedup_vs_grouped (grouped's median ms / this one's) and memory_vs_grouped, when both ran."""
+    base = next((r for r in rows if r["provider"] == BASELINE and r["status"] == "ok"), None)
+    for r in rows:
+        ok = base is not None and r["status"] == "ok"
+        r["speedup_vs_grouped"] = base["ms_per_iter_median"] / r["ms_per_iter_median"] if ok else None
+        both_mem = ok and base["peak_allocated_mib"] and r["peak_allocated_mib"]
+        r["memory_vs_grouped"] = r["peak_allocated_mib"] / base["peak_allocated_mib"] if both_mem else None
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _megatron_core_version() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from .common import print_table, write_json
+
+    try:
+        shape, providers, nproc = validate(args, gpu_count=_gpu_count() if args.nproc is None else 0)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    args.nproc_resolved = nproc
+    flags = pretrain_flags(shape, iters=args.iters, ep=args.ep, seed=args.seed) + shlex.split(args.pretrain_args)
+    if args.print_flags:
+        print("\n".join(flags))
+        return 0
+    pretrain_gpt = os.path.abspath(os.path.join(args.megatron_lm, "pretrain_gpt.py"))
+    if not os.path.isfile(pretrain_gpt):
+        print(
+            f"error: --megatron-lm: {pretrain_gpt} does not exist; copy Megatron-LM's launcher files there with "
+            f"`python -m sonic_megatron.bench.megatron_lm <Megatron-LM checkout> --dest {args.megatron_lm}`",
+            file=sys.stderr,
+        )
+        return 2
+    log_dir = args.log_dir or (os.path.dirname(os.path.abspath(args.json)) if args.json else "out")
+    os.makedirs(log_dir, exist_ok=True)
+    for path in [] if args.dry_run else install_dataset_sources(args.megatron_lm):
+        print(f"installed {path} (pretrain_gpt.py compiles megatron-core's dataset helpers with it)")
+    print(
+        f"bench e2e: config {args.config} {dataclasses.asdict(shape)}, {nproc} GPU(s), EP {args.ep}, "
+        f"{args.iters} iterations ({args.warmup} warm-up), providers {', '.join(providers)}",
+        flush=True,
+    )
+    rows = []
+    for i, name in enumerate(providers, start=1):
+        cmd = torchrun_command(pretrain_gpt, nproc, flags + provider_flags(name))
+        if args.dry_run:
+            env = " ".join(f"{k}={v}" for k, v in PROVIDERS[name].env.items())
+            print(f"[{i}/{len(providers)}] {name}: {env + ' ' if env else ''}{shlex.join(cmd)}")
+            continue
+        env = provider_env(name, args.megatron_lm, dict(os.environ))
+        log_path = os.path.join(log_dir, f"e2e-{args.config}-{name}.log")
+        rows.append(run_provider(name, i, len(providers), cmd, env, log_path, args))
+    if args.dry_run:
+        return 0
+    add_ratios(rows)
+    columns = [
+        "provider",
+        "status",
+        "ms_per_iter_median",
+        "ms_per_iter_min",
+        "ms_per_iter_max",
+        "tokens_per_s_per_gpu",
+        "tflops_per_gpu",
+        "peak_allocated_mib",
+        "speedup_vs_grouped",
+        "memory_vs_grouped",
+        "final_loss",
+        "elapsed_s",
+    ]
+    print_table(rows, columns)
+    write_json(
+        args.json,
+        {
+            "benchmark": "e2e",
+            "config": args.config,
+            "shape": dataclasses.asdict(shape),
+            "nproc": nproc,
+            "ep": args.ep,
+            "iters": args.iters,
+            "warmup": args.warmup,
+            "seed": args.seed,
+            "megatron_lm": os.path.abspath(args.megatron_lm),
+            "megatron_core": _megatron_core_version(),
+            "baseline": BASELINE,
+            "rows": rows,
+        },
+    )
+    return 0 if all(r["status"] == "ok" for r in rows) else 1

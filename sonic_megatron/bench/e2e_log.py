@@ -1,0 +1,114 @@
+"""Reading Megatron-LM's training log (megatron/training/training.py ``training_log``, core_r0.18 / r0.19).
+
+Lines it reads (one iteration line per ``--log-interval``; the memory report after iterations 1 and 2 and
+every ``--log-memory-interval``)::
+
+     [2026-11-25 10:00:00.123456] iteration        3/      30 | consumed samples:           48 | elapsed time
+     per iteration (ms): 812.4 | throughput per GPU (TFLOP/s/GPU): 201.3 | learning rate: 2.999E-04 | global
+     batch size:    16 | lm loss: 1.034567E+01 | load_balancing_loss: 1.002E+00 | loss scale: 1.0 | grad
+     norm: 3.21 | number of skipped iterations:   0 | number of nan iterations:   0 |
+    [Rank 0] (after 30 iterations) memory (MB) | allocated: 1.2 | max allocated: 3.4 | reserved: 5.6 | max
+     reserved: 7.8
+
+(each a single line in the log). Keys are kept as Megatron writes them ("elapsed time per iteration (ms)",
+"lm loss", ...).
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+
+RANK_PREFIX_RE = re.compile(r"^\[(?:default)?rank\d+\]:\s?")
+ITERATION_RE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
+MEMORY_RE = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\)((?:\s*\|\s*[^|]+)+)")
+MS_KEY = "elapsed time per iteration (ms)"
+TFLOPS_KEY = "throughput per GPU (TFLOP/s/GPU)"
+LOSS_KEY = "lm loss"
+
+
+def _fields(text: str) -> dict[str, float]:
+    """``| key: number | key: number |`` -> {key: number}; fields that are not numbers are skipped."""
+    out = {}
+    for part in text.split("|"):
+        key, sep, value = part.partition(":")
+        if not sep:
+            continue
+        try:
+            out[key.strip()] = float(value.strip())
+        except ValueError:
+            continue
+    return out
+
+
+def parse_iteration(line: str) -> dict | None:
+    """{"iteration": n, "train_iters": total, <Megatron's keys>: value} of an iteration log line, else None."""
+    m = ITERATION_RE.search(line)
+    if m is None:
+        return None
+    return {"iteration": int(m.group(1)), "train_iters": int(m.group(2)), **_fields(m.group(3))}
+
+
+def parse_memory(line: str) -> dict | None:
+    """{"rank", "after_iterations", "allocated", "max allocated", "reserved", "max reserved"} (MB) of a
+    memory report line, else None."""
+    m = MEMORY_RE.search(line)
+    if m is None:
+        return None
+    return {"rank": int(m.group(1)), "after_iterations": int(m.group(2)), **_fields(m.group(3))}
+
+
+def parse_log(lines) -> dict:
+    """Every iteration record (last one wins per iteration number, in order) and memory report of a log."""
+    iterations: dict[int, dict] = {}
+    memory = []
+    for line in lines:
+        if (it := parse_iteration(line)) is not None:
+            iterations[it["iteration"]] = it
+        elif (mem := parse_memory(line)) is not None:
+            memory.append(mem)
+    return {"iterations": [iterations[k] for k in sorted(iterations)], "memory": memory}
+
+
+def summarize(parsed: dict, *, warmup: int, tokens_per_iteration: int, num_gpus: int) -> dict:
+    """Statistics of the iterations after the first ``warmup`` ones: median / min / max ms per iteration,
+    tokens/s/GPU and TFLOP/s/GPU at the median, peak memory (the largest "max allocated" reported), the
+    loss curve of every iteration. Missing values are None (a run that died early)."""
+    its = parsed["iterations"]
+    timed = [it for it in its if it["iteration"] > warmup and MS_KEY in it]
+    ms = [it[MS_KEY] for it in timed]
+    tflops = [it[TFLOPS_KEY] for it in timed if TFLOPS_KEY in it]
+    median_ms = statistics.median(ms) if ms else None
+    peaks = [m["max allocated"] for m in parsed["memory"] if "max allocated" in m]
+    reserved = [m["max reserved"] for m in parsed["memory"] if "max reserved" in m]
+    losses = [it.get(LOSS_KEY) for it in its]
+    return {
+        "iterations_logged": len(its),
+        "iterations_timed": len(ms),
+        "ms_per_iter_median": median_ms,
+        "ms_per_iter_min": min(ms) if ms else None,
+        "ms_per_iter_max": max(ms) if ms else None,
+        "tokens_per_s_per_gpu": tokens_per_iteration / (median_ms / 1e3) / num_gpus if median_ms else None,
+        "tflops_per_gpu": statistics.median(tflops) if tflops else None,
+        "peak_allocated_mib": max(peaks) if peaks else None,
+        "peak_reserved_mib": max(reserved) if reserved else None,
+        "final_loss": next((v for v in reversed(losses) if v is not None), None),
+        "losses": losses,
+        "ms_per_iter": [it.get(MS_KEY) for it in its],
+    }
+
+
+def failure_excerpt(lines: list[str], *, tail: int = 20, first_max: int = 40) -> list[str]:
+    """What to show of a failed run's log: its first Python traceback (a worker's: torchrun's own report of
+    the failure follows it and says little), up to the exception line, then the last ``tail`` lines."""
+    last = lines[-tail:]
+    start = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line), None)
+    if start is None or start >= len(lines) - tail:
+        return last
+    end = start + 1
+    while end < len(lines) and end - start < first_max:
+        body = RANK_PREFIX_RE.sub("", lines[end])
+        end += 1
+        if body and not body[0].isspace():  # the exception line closes the traceback
+            break
+    return lines[start:end] + (["..."] if end < len(lines) - tail else []) + lines[max(end, len(lines) - tail) :]

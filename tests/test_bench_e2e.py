@@ -1,0 +1,399 @@
+"""``bench e2e`` without GPUs: Megatron's log lines parsed (format of core_r0.19.0 training.py), the
+pretrain_gpt.py command per provider and config, argument errors, a provider that fails while the others still
+run (a fake pretrain_gpt.py under torchrun), the Megatron-LM file copy; and the grouped-GEMM baseline experts
+against Megatron's SequentialMLP with the same weights (outputs and gradients), its spec swap and its init."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from sonic_megatron.bench import e2e, megatron_lm
+from sonic_megatron.bench.e2e_log import parse_iteration, parse_log, parse_memory, summarize
+
+
+def _iteration_line(it: int, total: int, ms: float, tflops: float, loss: float) -> str:
+    """An iteration line as megatron/training/training.py (core_r0.19.0) training_log writes it."""
+    s = " [2026-11-25 10:00:00.123456]"
+    s += f" iteration {it:8d}/{total:8d} |"
+    s += f" consumed samples: {16 * it:12d} |"
+    s += f" elapsed time per iteration (ms): {ms:.1f} |"
+    s += f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
+    s += f" learning rate: {3e-4:.6E} |"
+    s += f" global batch size: {16:5d} |"
+    s += " {}: {:.6E} |".format("lm loss", loss)
+    s += " {}: {:.6E} |".format("load_balancing_loss", 1.01)
+    s += f" loss scale: {1.0:.1f} |"
+    s += f" grad norm: {3.217:.3f} |"
+    s += f" number of skipped iterations: {0:3d} |"
+    s += f" number of nan iterations: {0:3d} |"
+    return s
+
+
+def _memory_line(after: int, max_allocated: float) -> str:
+    """report_memory (megatron/training/utils/common_utils.py) as rank 0 prints it."""
+    string = f"(after {after} iterations)" + " memory (MB)"
+    string += f" | allocated: {1234.5:.2f}"
+    string += f" | max allocated: {max_allocated:.2f}"
+    string += f" | reserved: {4096.0:.2f}"
+    string += f" | max reserved: {8192.0:.2f}"
+    return f"[Rank {0}] {string}"
+
+
+def test_parse_megatron_lines():
+    it = parse_iteration(_iteration_line(7, 30, 812.4, 201.3, 10.3456))
+    assert it["iteration"] == 7 and it["train_iters"] == 30
+    assert it["elapsed time per iteration (ms)"] == 812.4
+    assert it["throughput per GPU (TFLOP/s/GPU)"] == 201.3
+    assert it["lm loss"] == pytest.approx(10.3456)
+    assert it["grad norm"] == pytest.approx(3.217) and it["global batch size"] == 16
+    mem = parse_memory(_memory_line(2, 30123.45))
+    assert mem == {
+        "rank": 0,
+        "after_iterations": 2,
+        "allocated": 1234.5,
+        "max allocated": 30123.45,
+        "reserved": 4096.0,
+        "max reserved": 8192.0,
+    }
+    assert parse_iteration("number of skipped iterations:   0 |") is None
+    assert parse_memory(_iteration_line(1, 2, 1.0, 1.0, 1.0)) is None
+
+
+def test_summary_statistics():
+    ms = [5000.0, 900.0, 880.0, 820.0, 800.0, 840.0, 810.0]
+    lines = ["WARNING: some warning", _memory_line(1, 100.0)]
+    lines += [_iteration_line(i + 1, len(ms), m, 100.0 + i, 10.0 - i) for i, m in enumerate(ms)]
+    lines.insert(4, _memory_line(2, 300.0))
+    lines.append(_memory_line(7, 250.0))
+    s = summarize(parse_log(lines), warmup=2, tokens_per_iteration=16 * 2048, num_gpus=2)
+    timed = sorted(ms[2:])
+    assert s["iterations_logged"] == 7 and s["iterations_timed"] == 5
+    assert s["ms_per_iter_median"] == timed[2] and s["ms_per_iter_min"] == 800.0 and s["ms_per_iter_max"] == 880.0
+    assert s["tokens_per_s_per_gpu"] == pytest.approx(16 * 2048 / (timed[2] / 1e3) / 2)
+    assert s["tflops_per_gpu"] == 104.0
+    assert s["peak_allocated_mib"] == 300.0 and s["peak_reserved_mib"] == 8192.0
+    assert s["losses"] == [10.0 - i for i in range(7)] and s["final_loss"] == 4.0
+    empty = summarize(parse_log(["Traceback (most recent call last):"]), warmup=2, tokens_per_iteration=1, num_gpus=1)
+    assert empty["ms_per_iter_median"] is None and empty["tokens_per_s_per_gpu"] is None and empty["losses"] == []
+
+
+def _args(**kw) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=None)
+    e2e.add_arguments(parser)
+    argv = []
+    for k, v in kw.items():
+        flag = "--" + k.replace("_", "-")
+        argv += [flag] if v is True else [flag, str(v)]
+    return parser.parse_args(argv)
+
+
+def _flag(cmd: list[str], name: str, n: int = 1):
+    i = cmd.index(name)
+    return cmd[i + 1] if n == 1 else cmd[i + 1 : i + 1 + n]
+
+
+def test_flags_per_config_and_provider():
+    for config, experts, ffn in (("qwen3", "128", "768"), ("sparse", "256", "512")):
+        flags = e2e.pretrain_flags(e2e.CONFIGS[config], iters=30, ep=2, seed=7)
+        expect = {
+            "--num-layers": "4",
+            "--hidden-size": "2048",
+            "--num-attention-heads": "16",
+            "--seq-length": "2048",
+            "--micro-batch-size": "4",
+            "--global-batch-size": "16",
+            "--num-experts": experts,
+            "--moe-router-topk": "8",
+            "--moe-ffn-hidden-size": ffn,
+            "--expert-model-parallel-size": "2",
+            "--train-iters": "30",
+            "--seed": "7",
+            "--moe-token-dispatcher-type": "alltoall",
+            "--moe-router-load-balancing-type": "aux_loss",
+            "--moe-router-dtype": "fp32",
+            "--transformer-impl": "local",
+            "--tokenizer-type": "NullTokenizer",
+            "--log-interval": "1",
+            "--log-memory-interval": "30",
+        }
+        for name, value in expect.items():
+            assert _flag(flags, name) == value, (config, name)
+        for switch in ("--bf16", "--swiglu", "--disable-bias-linear", "--mock-data", "--log-throughput"):
+            assert switch in flags
+        assert "--spec" not in flags
+    assert e2e.provider_flags("sonic") == ["--spec", "sonic_megatron.spec", "sonic_block_spec"]
+    assert e2e.provider_flags("sonic-rounding") == e2e.provider_flags("sonic")
+    assert e2e.provider_flags("grouped") == ["--spec", "sonic_megatron.baseline", "grouped_block_spec"]
+    assert e2e.provider_flags("sequential") == []
+    cmd = e2e.torchrun_command("/m/pretrain_gpt.py", 4, ["--bf16"], python="py")
+    assert cmd == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"] + [
+        "/m/pretrain_gpt.py",
+        "--bf16",
+    ]
+    env = e2e.provider_env("sonic-rounding", "/m", {"PYTHONPATH": "/x", "HOME": "/h"})
+    assert env["SONIC_MEGATRON_TOKEN_ROUNDING"] == "nearest" and env["HOME"] == "/h"
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == os.path.abspath("/m")
+    assert env["PYTHONPATH"].split(os.pathsep)[-1] == "/x" and env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert e2e.provider_env("sonic", "/m", {})["SONIC_MEGATRON_TOKEN_ROUNDING"] == "none"
+    assert "SONIC_MEGATRON_TOKEN_ROUNDING" not in e2e.provider_env("grouped", "/m", {})
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(providers="sonic,fast"), "--providers: unknown provider 'fast'; allowed: sonic, sonic-rounding"),
+        (dict(providers="sonic,sonic"), "--providers: each provider once"),
+        (dict(config="huge"), "--config: unknown config 'huge'; allowed: qwen3, sparse"),
+        (dict(nproc=8), "--nproc: qwen3's global batch 16 must be a multiple"),
+        (dict(nproc=2, ep=3), "--ep: must divide --nproc (2)"),
+        (dict(iters=5, warmup=5), "--warmup: must be in [0, --iters)"),
+        (dict(timeout=0), "--timeout: must be > 0"),
+    ],
+)
+def test_argument_errors(kw, message):
+    with pytest.raises(ValueError) as err:
+        e2e.validate(_args(**{"nproc": 1, **kw}), gpu_count=0)
+    assert message in str(err.value)
+
+
+def test_defaults_and_no_gpu_error():
+    args = _args()
+    assert (args.config, args.providers, args.iters, args.warmup, args.ep, args.timeout) == (
+        "qwen3",
+        "sonic,sonic-rounding,grouped",
+        30,
+        5,
+        1,
+        600.0,
+    )
+    assert e2e.validate(args, gpu_count=4)[1:] == (["sonic", "sonic-rounding", "grouped"], 4)
+    with pytest.raises(ValueError, match="--nproc: must be >= 1, got 0 \\(no CUDA device visible"):
+        e2e.validate(args, gpu_count=0)
+
+
+def test_missing_pretrain_gpt_names_the_flag(tmp_path, capsys):
+    assert e2e.run(_args(megatron_lm=tmp_path, nproc=1)) == 2
+    err = capsys.readouterr().err
+    assert "--megatron-lm:" in err and str(tmp_path / "pretrain_gpt.py") in err
+
+
+FAKE_PRETRAIN = """
+import os, sys
+args = sys.argv[1:]
+spec = args[args.index("--spec") + 1:args.index("--spec") + 3] if "--spec" in args else []
+iters = int(args[args.index("--train-iters") + 1])
+if spec and spec[0] == "sonic_megatron.baseline":
+    print("Traceback (most recent call last):\\nRuntimeError: fake failure of the grouped run", flush=True)
+    sys.exit(3)
+rounding = os.environ.get("SONIC_MEGATRON_TOKEN_ROUNDING")
+base = {"none": 100.0, "nearest": 90.0}.get(rounding, 150.0)
+for i in range(1, iters + 1):
+    print(LINE(i, iters, base + i % 2, 100.0, 10.0 - 0.1 * i), flush=True)
+    if i in (1, 2, iters):
+        print(MEM(i, 1000.0 if rounding else 2000.0), flush=True)
+"""
+
+
+def test_failing_provider_does_not_stop_the_others(tmp_path, capsys):
+    mlm = tmp_path / "mlm"
+    mlm.mkdir()
+    helpers = f"LINE = {_iteration_line.__name__}\nMEM = {_memory_line.__name__}\n"
+    source = "\n".join(textwrap.dedent(inspect.getsource(f)) for f in (_iteration_line, _memory_line))
+    (mlm / "pretrain_gpt.py").write_text(source + "\n" + helpers + FAKE_PRETRAIN)
+    out = tmp_path / "e2e.json"
+    args = _args(
+        json=out,
+        megatron_lm=mlm,
+        nproc=1,
+        config="small",
+        providers="sonic,grouped,sonic-rounding,sequential",
+        iters=6,
+        warmup=2,
+        timeout=120,
+    )
+    assert e2e.run(args) == 1, "a failed provider makes the exit status 1"
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    rows = {r["provider"]: r for r in result["rows"]}
+    assert [r["provider"] for r in result["rows"]] == ["sonic", "grouped", "sonic-rounding", "sequential"]
+    assert rows["grouped"]["status"] == "failed" and rows["grouped"]["returncode"] != 0
+    assert any("fake failure of the grouped run" in line for line in rows["grouped"]["log_tail"])
+    assert "fake failure of the grouped run" in printed and "torch.distributed.run" in printed
+    for name, ms in (("sonic", 100.5), ("sonic-rounding", 90.5), ("sequential", 150.5)):
+        row = rows[name]
+        assert row["status"] == "ok", (name, row.get("log_tail"))
+        assert row["iterations_timed"] == 4 and row["ms_per_iter_median"] == ms
+        assert row["ms_per_iter_min"] == ms - 0.5 and row["ms_per_iter_max"] == ms + 0.5
+        assert row["losses"] == pytest.approx([10.0 - 0.1 * i for i in range(1, 7)])
+        assert row["tokens_per_s_per_gpu"] == pytest.approx(16 * 1024 / (ms / 1e3))
+        assert row["speedup_vs_grouped"] is None, "no baseline ratio when the baseline failed"
+        assert os.path.isfile(row["log"])
+    assert rows["sonic"]["peak_allocated_mib"] == 1000.0 and rows["sequential"]["peak_allocated_mib"] == 2000.0
+    assert result["config"] == "small" and result["nproc"] == 1
+
+
+def test_ratios_to_grouped():
+    rows = [
+        {"provider": "sonic", "status": "ok", "ms_per_iter_median": 50.0, "peak_allocated_mib": 500.0},
+        {"provider": "grouped", "status": "ok", "ms_per_iter_median": 100.0, "peak_allocated_mib": 1000.0},
+        {"provider": "sequential", "status": "timeout", "ms_per_iter_median": None, "peak_allocated_mib": None},
+    ]
+    e2e.add_ratios(rows)
+    assert [r["speedup_vs_grouped"] for r in rows] == [2.0, 1.0, None]
+    assert [r["memory_vs_grouped"] for r in rows] == [0.5, 1.0, None]
+
+
+def test_timeout_stops_the_run(tmp_path):
+    log = tmp_path / "run.log"
+    lines = []
+    script = "import time; print('started', flush=True); time.sleep(60)"
+    rc, timed_out = e2e.run_logged([sys.executable, "-c", script], dict(os.environ), str(log), 2.0, lines.append)
+    assert timed_out and rc != 0 and lines == ["started\n"] and log.read_text() == "started\n"
+
+
+def test_megatron_lm_files(tmp_path):
+    src = tmp_path / "Megatron-LM"
+    for path in megatron_lm.FILES.values():
+        (src / path).parent.mkdir(parents=True, exist_ok=True)
+        (src / path).write_text(f"# {path}\n")
+    dest = tmp_path / "mlm"
+    written = megatron_lm.fetch(str(src), str(dest))
+    assert sorted(os.path.basename(p) for p in written) == sorted(megatron_lm.FILES)
+    assert (dest / "datasets_Makefile").read_text() == "# megatron/core/datasets/Makefile\n"
+    with pytest.raises(ValueError, match="source: .* neither a Megatron-LM checkout"):
+        megatron_lm.fetch(str(tmp_path / "nothing"), str(dest))
+    # A git directory: files come from the ref.
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    for path in megatron_lm.FILES.values():
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_text(f"v1 {path}\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "v1"], check=True)
+    (repo / "pretrain_gpt.py").unlink()  # not a checkout any more: read from the ref
+    megatron_lm.fetch(str(repo), str(dest), ref="HEAD")
+    assert (dest / "pretrain_gpt.py").read_text() == "v1 pretrain_gpt.py\n"
+    with pytest.raises(ValueError, match="ref: nosuchref:pretrain_gpt.py not found"):
+        megatron_lm.fetch(str(repo), str(dest), ref="nosuchref")
+    # Dataset sources go where megatron-core lacks them, and only there.
+    ds = tmp_path / "datasets"
+    ds.mkdir()
+    (ds / "helpers.cpp").write_text("wheel's own\n")
+    installed = megatron_lm.install_dataset_sources(str(dest), str(ds))
+    assert installed == [str(ds / "Makefile")]
+    assert (ds / "helpers.cpp").read_text() == "wheel's own\n"
+    assert megatron_lm.install_dataset_sources(str(dest), str(ds)) == []
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The grouped-GEMM baseline experts
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _run_experts(experts, x, counts, probs):
+    x = x.clone().requires_grad_(True)
+    probs = probs.clone().requires_grad_(True)
+    out, bias = experts(x, counts, probs)
+    assert bias is None
+    g = torch.Generator().manual_seed(5)
+    (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum().backward()
+    return out.detach(), x.grad, probs.grad
+
+
+def _baseline_worker(rank, world):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from sonic_megatron import baseline as B
+    from sonic_megatron.gpt import PRESETS, build_model, scaled
+    from sonic_megatron.megatron_compat import default_pg_collection
+    from sonic_megatron.spec import moe_submodules_of
+    from sonic_megatron.testing import init_model_parallel, moe_config
+
+    init_model_parallel(ep=1)
+    num_experts, hidden, ffn = 4, 32, 48
+    counts = torch.tensor([5, 0, 9, 3])  # an expert without tokens included
+    n = int(counts.sum())
+    for dtype, tol, grouped_mm in ((torch.float64, 1e-12, False), (torch.float32, 1e-5, True)):
+        config = moe_config(
+            num_moe_experts=num_experts, hidden_size=hidden, moe_ffn_hidden_size=ffn, params_dtype=dtype
+        )
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+        seq_submodules = moe_submodules_of(block.layer_specs[0].submodules.mlp).experts.submodules
+        torch.manual_seed(11)
+        seq = SequentialMLP(num_experts, config, seq_submodules, pg_collection=default_pg_collection())
+        torch.manual_seed(11)
+        grouped = B.GroupedMMExperts(num_experts, config)
+        for e, expert in enumerate(seq.local_experts):  # initialised as Megatron initialises experts
+            assert torch.equal(grouped.weight1[e], expert.linear_fc1.weight), f"fc1 init differs, expert {e}"
+            assert torch.equal(grouped.weight2[e], expert.linear_fc2.weight), f"fc2 init differs, expert {e}"
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(n, hidden, generator=g, dtype=dtype)
+        probs = torch.rand(n, generator=g, dtype=torch.float32).to(dtype)
+        assert B.use_grouped_mm(x, grouped.weight1, grouped.weight2) is grouped_mm, dtype
+        want = _run_experts(seq, x, counts, probs)
+        got = _run_experts(grouped, x, counts, probs)
+        for name, a, b in zip(("output", "dx", "dprobs"), got, want, strict=True):
+            assert torch.allclose(a, b, atol=tol, rtol=tol), f"{dtype} {name}: {(a - b).abs().max()}"
+        for e, expert in enumerate(seq.local_experts):
+            for name, a, b in (
+                ("dw1", grouped.weight1.grad[e], expert.linear_fc1.weight.grad),
+                ("dw2", grouped.weight2.grad[e], expert.linear_fc2.weight.grad),
+            ):
+                assert torch.allclose(a, b, atol=tol, rtol=tol), f"{dtype} expert {e} {name}"
+        assert grouped.weight1.grad[1].abs().sum() == 0, "the expert without tokens gets a zero gradient"
+        assert grouped.weight1.allreduce is False and grouped.weight2.allreduce is False
+
+    # The spec swap keeps Megatron's MoE layer and router, replaces the experts only, leaves the input alone.
+    config = moe_config(num_layers=2, moe_layer_freq=[0, 1])
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    model = TransformerBlock(config, B.swap_experts_spec(block))
+    moe = model.layers[1].mlp
+    assert type(moe) is MoELayer and type(moe.router) is TopKRouter
+    assert isinstance(moe.experts, B.GroupedMMExperts)
+    assert isinstance(TransformerBlock(config, block).layers[1].mlp.experts, SequentialMLP)
+    out = model(
+        torch.randn(6, 2, config.hidden_size), attention_mask=torch.triu(torch.ones(6, 6), 1).bool()[None, None]
+    )
+    out = out[0] if isinstance(out, tuple) else out
+    assert torch.isfinite(out).all()
+    # bench train's "grouped" spec builds a GPT model with these experts.
+    gpt = build_model(scaled(PRESETS["tiny"], layers=1), "grouped", ep=1, dtype=torch.float32, device="cpu")
+    assert any(isinstance(m, B.GroupedMMExperts) for m in gpt.modules())
+    with pytest.raises(ValueError, match="does not support add_bias_linear=True"):
+        B.GroupedMMExperts(num_experts, moe_config(add_bias_linear=True))
+
+
+@pytest.mark.slow
+def test_grouped_baseline_matches_sequential_mlp():
+    from sonic_megatron.testing import spawn
+
+    spawn(_baseline_worker, 1, timeout=240)
+
+
+def test_train_specs():
+    from sonic_megatron.bench import train
+
+    assert train.parse_specs("sonic,grouped,stock") == ["sonic", "grouped", "stock"]
+    with pytest.raises(ValueError, match="--specs: expected names from sonic, grouped, stock, got 'sonic,te'"):
+        train.parse_specs("sonic,te")
+    assert train.baseline_spec(["sonic", "grouped", "stock"]) == "grouped"
+    assert train.baseline_spec(["sonic", "stock"]) == "stock"
+    assert train.baseline_spec(["sonic"]) is None
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    assert parser.parse_args([]).specs == "sonic,grouped"
