@@ -5,8 +5,10 @@ PYTHON ?= python3
 
 .PHONY: setup demo test lint
 
+# An importable torch is kept (on a GPU machine it is usually a CUDA build that the default wheel would
+# replace); torch==2.13.0 is installed only where none is importable, as on a fresh machine.
 setup:
-	$(PYTHON) -m pip install -q torch==2.13.0
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e ".[test]"
 
 demo: setup

@@ -34,13 +34,11 @@ ROUNDING_MODES = ("none", "nearest", "up", "down")
 ENV_PREFIX = "SONIC_MEGATRON_"
 # SONIC_MEGATRON_* variables that are not SonicConfig fields but are read elsewhere; any other name with the
 # prefix is rejected by SonicConfig.resolve. Keep this in step with the os.environ reads under kernels/,
-# token_dispatch/ and tests/.
+# token_dispatch/ and tests/ (tests/test_user_errors.py checks it against the sources).
 OTHER_ENV_VARS = (
-    "SONIC_MEGATRON_CUTE_TUNING",  # kernels/cute/configs.py: tile policy of the cute backend
-    "SONIC_MEGATRON_CUTE_TILES",  # kernels/cute/configs.py: per-GEMM tile overrides
-    "SONIC_MEGATRON_CACHE_DIR",  # kernels/cute/__init__.py: compiled-kernel cache folder
-    "SONIC_MEGATRON_CUTE_SCHEDULER",  # kernels/cute/ops.py: tile scheduler of the cute GEMMs
-    "SONIC_MEGATRON_EP_SEND",  # token_dispatch/plan.py: send side of the dispatch plan
+    "SONIC_MEGATRON_CUTE_TUNING",  # kernels/options.py: tile policy of the cute backend
+    "SONIC_MEGATRON_CUTE_TILES",  # kernels/options.py: per-GEMM tile overrides
+    "SONIC_MEGATRON_CACHE_DIR",  # kernels/options.py: compiled-kernel cache folder
     "SONIC_MEGATRON_MLM_DIR",  # tests/test_megatron_launcher_spec.py: a Megatron-LM checkout
 )
 BOOL_WORDS = {"0": False, "1": True, "false": False, "true": True, "no": False, "yes": True}

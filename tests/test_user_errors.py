@@ -1,0 +1,311 @@
+"""The errors a user meets first: strict SonicConfig fields and SONIC_MEGATRON_* variables, the
+experts / expert-parallel divisibility at construction, the demo's argument checks (before any process
+starts), a single-process ``bench dispatch``, plain-text command-line help, and ``make setup`` keeping an
+installed torch. Everything here runs in this process (no spawned ranks)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sonic_megatron.config import OTHER_ENV_VARS, SonicConfig, known_env_vars
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _no_sonic_env(monkeypatch):
+    """Tests here set the SONIC_MEGATRON_* variables they need; the caller's must not leak in."""
+    for name in list(os.environ):
+        if name.startswith("SONIC_MEGATRON_"):
+            monkeypatch.delenv(name)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# SonicConfig fields
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, value, expected",
+    [
+        ("by_source", "no", "a bool (True or False)"),
+        ("redispatch_x_in_backward", 1, "a bool (True or False)"),
+        ("rounding_tile", True, "an int >= 1"),
+        ("num_chunks", 2.0, "an int >= 1"),
+        ("comm_sms", "8", "an int >= 0"),
+    ],
+)
+def test_wrong_field_type_names_field_expected_and_actual(field, value, expected):
+    with pytest.raises(TypeError) as info:
+        SonicConfig(**{field: value})
+    msg = str(info.value)
+    assert f"SonicConfig.{field}" in msg and expected in msg and repr(value) in msg, msg
+    assert type(value).__name__ in msg, msg
+
+
+@pytest.mark.parametrize(
+    "field, value", [("rounding_tile", 0), ("num_chunks", -1), ("comm_sms", -2), ("backend", 1), ("dispatcher", "x")]
+)
+def test_wrong_field_value_names_field_and_value(field, value):
+    with pytest.raises(ValueError, match=rf"SonicConfig\.{field} must be .*got {value!r}"):
+        SonicConfig(**{field: value})
+
+
+def test_valid_fields_are_kept():
+    cfg = SonicConfig(by_source=True, redispatch_x_in_backward=False, rounding_tile=64, num_chunks=2, comm_sms=8)
+    assert (cfg.by_source, cfg.rounding_tile, cfg.num_chunks, cfg.comm_sms) == (True, 64, 2, 8)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# SONIC_MEGATRON_* environment
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw, value", [("1", True), ("TRUE", True), ("Yes", True), ("0", False), ("no", False)])
+def test_env_bool_words(raw, value):
+    cfg = SonicConfig.resolve(None, {"SONIC_MEGATRON_BY_SOURCE": raw})
+    assert cfg.by_source is value
+
+
+@pytest.mark.parametrize("raw", ["on", "maybe", "2", "y"])
+def test_env_bool_rejects_other_words_naming_variable_and_allowed(raw):
+    with pytest.raises(ValueError) as info:
+        SonicConfig.resolve(None, {"SONIC_MEGATRON_BY_SOURCE": raw})
+    msg = str(info.value)
+    assert "SONIC_MEGATRON_BY_SOURCE" in msg and "0/1/false/true/no/yes" in msg and repr(raw) in msg, msg
+
+
+@pytest.mark.parametrize("raw", ["two", "2.0", "1_000", "true", "²"])
+def test_env_int_is_strict(raw):
+    with pytest.raises(ValueError, match="SONIC_MEGATRON_NUM_CHUNKS must be an integer"):
+        SonicConfig.resolve(None, {"SONIC_MEGATRON_NUM_CHUNKS": raw})
+
+
+def test_env_value_rejected_by_the_field_names_the_variable():
+    with pytest.raises(ValueError, match=r"num_chunks must be an int >= 1, got 0 .*SONIC_MEGATRON_NUM_CHUNKS='0'"):
+        SonicConfig.resolve(None, {"SONIC_MEGATRON_NUM_CHUNKS": "0"})
+    with pytest.raises(ValueError, match="SONIC_MEGATRON_TOKEN_ROUNDING='sideways'"):
+        SonicConfig.resolve(None, {"SONIC_MEGATRON_TOKEN_ROUNDING": "sideways"})
+
+
+def test_env_overrides_and_empty_means_unset():
+    cfg = SonicConfig.resolve(
+        SonicConfig(backend="torch", num_chunks=3),
+        {"SONIC_MEGATRON_NUM_CHUNKS": "", "SONIC_MEGATRON_COMM_SMS": " 16 ", "SONIC_MEGATRON_DISPATCHER": "sonic"},
+    )
+    assert (cfg.backend, cfg.num_chunks, cfg.comm_sms) == ("torch", 3, 16)
+
+
+def test_unknown_env_variable_names_the_known_ones():
+    with pytest.raises(ValueError) as info:
+        SonicConfig.resolve(None, {"SONIC_MEGATRON_NUM_CHUNK": "2", "PATH": "/bin"})
+    msg = str(info.value)
+    assert "SONIC_MEGATRON_NUM_CHUNK " in msg and "did you mean SONIC_MEGATRON_NUM_CHUNKS?" in msg, msg
+    for name in known_env_vars():
+        assert name in msg, (name, msg)
+
+
+def test_kernel_variables_are_known():
+    cfg = SonicConfig.resolve(None, {name: "x" for name in OTHER_ENV_VARS})
+    assert cfg == SonicConfig()
+
+
+def test_kernel_options_variables_are_known():
+    from sonic_megatron.kernels.options import ENV_VARS
+
+    assert set(ENV_VARS) <= set(OTHER_ENV_VARS), sorted(set(ENV_VARS) - set(OTHER_ENV_VARS))
+
+
+def _env_names_in_sources() -> set[str]:
+    names = set()
+    for folder in ("kernels", "token_dispatch", "sonic_megatron", "examples", "scripts", "tests"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path == Path(__file__).resolve() or path == ROOT / "sonic_megatron" / "config.py":
+                continue  # this file's deliberate typos; the list itself
+            names.update(re.findall(r"SONIC_MEGATRON_[A-Z0-9_]*[A-Z0-9]", path.read_text()))
+    return names
+
+
+def test_known_env_list_matches_the_sources():
+    """Every SONIC_MEGATRON_* name the code mentions is known (else setting it would be rejected), and every
+    entry of OTHER_ENV_VARS is still mentioned somewhere (else the list keeps a variable nothing reads)."""
+    in_sources = _env_names_in_sources()
+    assert not in_sources - set(known_env_vars()), sorted(in_sources - set(known_env_vars()))
+    assert not set(OTHER_ENV_VARS) - in_sources, sorted(set(OTHER_ENV_VARS) - in_sources)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Experts not divisible by the expert-parallel size
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_experts_not_divisible_by_ep_fail_when_the_layer_is_built():
+    """Through Megatron's own build path (the ready layer spec's mlp, as TransformerLayer builds it), before
+    MoELayer's bare ``assert`` and before any process group is needed."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from sonic_megatron.spec import sonic_local_layer_spec
+    from sonic_megatron.testing import moe_config
+
+    config = moe_config(num_moe_experts=6, expert_model_parallel_size=4)
+    with pytest.raises(ValueError, match=r"num_moe_experts=6 is not divisible by expert_model_parallel_size=4"):
+        build_module(sonic_local_layer_spec.submodules.mlp, config=config)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# examples/demo.py
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _demo():
+    spec = importlib.util.spec_from_file_location("sonic_demo", ROOT / "examples" / "demo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+        (["--backend", "fast"], "argument --backend: invalid choice: 'fast'"),
+        (["--backend", "cute"], "backend 'cute' (--backend or SONIC_MEGATRON_BACKEND) cannot run on this machine"),
+        (["--nproc", "3"], "--preset tiny has 8 experts, which --ep 3 does not divide"),
+        (["--ep", "3"], "--ep must be >= 1 and divide the 2 processes, got 3"),
+        (["--rounding-tile", "0"], "--rounding-tile must be >= 1, got 0"),
+        (["--spec", "stock", "--token-rounding", "up"], "use them with --spec sonic"),
+    ],
+)
+def test_demo_rejects_bad_arguments_before_starting_processes(argv, message, monkeypatch, capsys):
+    import torch
+
+    import sonic_megatron.testing
+
+    if argv == ["--backend", "cute"] and torch.cuda.is_available():
+        pytest.skip("cute may run on this machine's GPU")
+
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("the demo started processes for arguments it should have rejected")
+
+    monkeypatch.setattr(sonic_megatron.testing, "spawn", no_spawn)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as info:
+        _demo().main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_demo_rejects_a_bad_environment_before_starting_processes(monkeypatch, capsys):
+    import sonic_megatron.testing
+
+    monkeypatch.setattr(sonic_megatron.testing, "spawn", lambda *a, **k: pytest.fail("processes started"))
+    monkeypatch.setenv("SONIC_MEGATRON_TOKEN_ROUNDIN", "up")
+    with pytest.raises(SystemExit):
+        _demo().main([])
+    assert "did you mean SONIC_MEGATRON_TOKEN_ROUNDING?" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_bench_dispatch_refuses_one_process(monkeypatch, capsys):
+    import torch.distributed as dist
+
+    from sonic_megatron.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["bench", "dispatch", "--device", "cpu", "--tokens", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "needs torchrun with >= 2 processes (got 1)" in err, err
+    assert not dist.is_initialized(), "refused before any process group was made"
+
+
+def _all_parsers(parser: argparse.ArgumentParser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _all_parsers(sub)
+
+
+MARKUP = re.compile(r"``|:[a-z]+:`|`")
+
+
+def test_every_help_is_plain_text():
+    from sonic_megatron.cli import build_parser
+
+    parsers = list(_all_parsers(build_parser()))
+    assert {p.prog.split()[-1] for p in parsers} >= {"sonic_megatron", "env", "experts", "dispatch", "layer"}
+    for p in parsers:
+        text = p.format_help() + p.format_usage()
+        assert not MARKUP.search(text), (p.prog, MARKUP.search(text).group(), text)
+
+
+def test_subcommands_registered_later_get_plain_help_too():
+    from sonic_megatron.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    p = sub.add_parser("extra", description="runs :func:`sonic_megatron.kernels.moe_experts` on ``x [T, D]``")
+    p.add_argument("--mode", help="one of `a`, :class:`~pkg.mod.Thing`")
+    text = p.format_help()
+    assert "runs sonic_megatron.kernels.moe_experts on x [T, D]" in text and "one of a, Thing" in text, text
+
+
+def test_module_help_runs_plain(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "sonic_megatron", "bench", "dispatch", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0 and "--tokens" in proc.stdout, proc.stderr[-2000:]
+    assert not MARKUP.search(proc.stdout), proc.stdout
+
+
+# ----------------------------------------------------------------------------------------------------------
+# make setup
+# ----------------------------------------------------------------------------------------------------------
+
+
+FAKE_PYTHON = """#!/bin/sh
+# Stands in for python in `make setup`: records each call; `-c "import torch"` fails unless HAVE_TORCH=1.
+echo "$@" >> "$CALLS"
+if [ "$1" = "-c" ]; then [ "$HAVE_TORCH" = 1 ]; exit $?; fi
+exit 0
+"""
+
+
+@pytest.mark.parametrize("have_torch", [True, False])
+def test_make_setup_keeps_an_installed_torch(have_torch, tmp_path):
+    if not Path("/usr/bin/make").exists() and not any(
+        (Path(d) / "make").exists() for d in os.environ.get("PATH", "").split(os.pathsep)
+    ):
+        pytest.skip("make is not installed")
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    calls = tmp_path / "calls.txt"
+    env = dict(os.environ, CALLS=str(calls), HAVE_TORCH="1" if have_torch else "0")
+    proc = subprocess.run(
+        ["make", "-s", "-C", str(ROOT), "setup", f"PYTHON={fake}"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = calls.read_text().splitlines()
+    torch_installs = [line for line in lines if "torch==2.13.0" in line]
+    assert lines[0] == "-c import torch", lines
+    assert torch_installs == ([] if have_torch else ["-m pip install -q torch==2.13.0"]), lines
+    assert lines[-1] == "-m pip install -q -e .[test]", lines
