@@ -1,8 +1,12 @@
-"""Spec swap (mixed dense/MoE blocks, MTP blocks, ready --spec layer specs) and construction-time
-validation of unsupported Megatron options and plugin options."""
+"""Spec swap (mixed dense/MoE blocks, MTP blocks, ready --spec layer specs, no "Unknown MLP type" log from
+Megatron's TransformerLayer) and construction-time validation of unsupported Megatron options and plugin
+options."""
 
 from __future__ import annotations
 
+import copy
+import inspect
+import logging
 import types
 
 import pytest
@@ -16,6 +20,7 @@ def _spec_worker(rank, world):
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from sonic_megatron import spec as S
     from sonic_megatron.experts import SonicExperts
@@ -24,12 +29,14 @@ def _spec_worker(rank, world):
     from sonic_megatron.testing import init_model_parallel, moe_config
 
     init_model_parallel(ep=1)
+    layer_log = _Records("megatron.core.transformer.transformer_layer")
     config = moe_config(num_layers=4, moe_layer_freq=[0, 1, 0, 1], moe_shared_expert_intermediate_size=32)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     swapped = S.swap_moe_spec(block, SonicConfig(backend="torch"))
     assert S.count_sonic_layers(block) == 0, "the input spec must not be modified"
     assert S.count_sonic_layers(swapped) == 2
     model = TransformerBlock(config, swapped)
+    assert not layer_log.matching("Unknown MLP type"), layer_log.matching("Unknown MLP type")
     kinds = [type(layer.mlp) for layer in model.layers]
     assert kinds == [MLP, SonicMoELayer, MLP, SonicMoELayer], kinds
     for layer in model.layers[1::2]:
@@ -49,7 +56,33 @@ def _spec_worker(rank, world):
     layer_spec = S.sonic_local_layer_spec
     assert layer_spec.submodules.mlp.module is SonicMoELayer
     block2 = TransformerBlock(moe_config(num_layers=2), layer_spec)
-    assert all(isinstance(layer.mlp, SonicMoELayer) for layer in block2.layers)
+    assert all(type(layer.mlp) is SonicMoELayer for layer in block2.layers)
+    assert not layer_log.matching("Unknown MLP type")
+
+    # The same layer as a ModuleSpec is what megatron-core 0.16/0.17 logs about (the capture works).
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    mlp = layer_spec.submodules.mlp
+    as_module_spec = copy.deepcopy(layer_spec)
+    as_module_spec.submodules.mlp = ModuleSpec(module=SonicMoELayer, submodules=mlp.submodules, params=mlp.params)
+    TransformerBlock(moe_config(num_layers=1), as_module_spec)
+    if "Unknown MLP type" in inspect.getsource(TransformerLayer.__init__):
+        assert layer_log.matching("Unknown MLP type"), "the log capture missed Megatron's message"
+
+
+class _Records(logging.Handler):
+    """The records of one logger from now on."""
+
+    def __init__(self, logger_name: str):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        logging.getLogger(logger_name).addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def matching(self, text: str) -> list[str]:
+        return [r.getMessage() for r in self.records if text in r.getMessage()]
 
 
 @pytest.mark.slow
