@@ -1,7 +1,7 @@
 """Command line: ``python -m sonic_megatron <command> ...``.
 
     env                         what this machine can run (backends, versions, GPUs)
-    bench experts|dispatch|layer|train ...   benchmarks: print a table, write JSON (--json PATH)
+    bench experts|dispatch|layer|train|e2e ...   benchmarks: print a table, write JSON (--json PATH)
 
 Each benchmark lives in ``sonic_megatron/bench/<name>.py`` with ``add_arguments(parser)`` and ``run(args)``.
 Help is plain text: ``PlainTextParser`` (which every subcommand's parser inherits) drops the reST markup that
@@ -40,7 +40,8 @@ BENCHMARKS = {
     "experts": "one GPU's experts: ours vs sonic-moe, torch._grouped_mm MoE, cuBLAS bmm bound",
     "dispatch": "expert-parallel dispatch/combine: bytes on the wire and a2a GB/s vs Megatron's alltoall",
     "layer": "MoE layer fwd+bwd under EP: ours vs Megatron alltoall + torch._grouped_mm experts",
-    "train": "GPT-MoE training tokens/s/GPU and peak memory: plugin spec vs stock spec",
+    "train": "GPT-MoE training tokens/s/GPU and peak memory: plugin spec vs grouped-GEMM baseline (and stock)",
+    "e2e": "Megatron-LM's pretrain_gpt.py per provider (plugin, grouped-GEMM baseline, ...): ms/iter, memory, loss",
 }
 
 
