@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from sonic_megatron.bench import e2e, megatron_lm
-from sonic_megatron.bench.e2e_log import parse_iteration, parse_log, parse_memory, summarize
+from sonic_megatron.bench.e2e_log import failure_excerpt, parse_iteration, parse_log, parse_memory, summarize
 
 
 def _iteration_line(it: int, total: int, ms: float, tflops: float, loss: float) -> str:
@@ -66,6 +66,20 @@ def test_parse_megatron_lines():
     }
     assert parse_iteration("number of skipped iterations:   0 |") is None
     assert parse_memory(_iteration_line(1, 2, 1.0, 1.0, 1.0)) is None
+
+
+def test_failure_excerpt_shows_the_first_traceback():
+    worker = [
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "pretrain_gpt.py", line 9, in <module>',
+        "[rank0]:     build()",
+        "[rank0]: ValueError: GroupedMMExperts does not support add_bias_linear=True",
+    ]
+    torchrun = [f"torchrun report line {i}" for i in range(30)]
+    lines = ["> building GPT model ..."] * 50 + worker + ["[rank1]: more of the same"] * 10 + torchrun
+    excerpt = failure_excerpt(lines, tail=5)
+    assert excerpt == worker + ["..."] + torchrun[-5:]
+    assert failure_excerpt(torchrun, tail=5) == torchrun[-5:], "no traceback: the last lines"
 
 
 def test_summary_statistics():
@@ -144,6 +158,9 @@ def test_flags_per_config_and_provider():
     assert env["SONIC_MEGATRON_TOKEN_ROUNDING"] == "nearest" and env["HOME"] == "/h"
     assert env["PYTHONPATH"].split(os.pathsep)[0] == os.path.abspath("/m")
     assert env["PYTHONPATH"].split(os.pathsep)[-1] == "/x" and env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert e2e.shell_line(["py", "a b"], env, base={"PYTHONPATH": "/x", "HOME": "/h"}) == (
+        f"PYTHONPATH={env['PYTHONPATH']} CUDA_DEVICE_MAX_CONNECTIONS=1 SONIC_MEGATRON_TOKEN_ROUNDING=nearest py 'a b'"
+    )
     assert e2e.provider_env("sonic", "/m", {})["SONIC_MEGATRON_TOKEN_ROUNDING"] == "none"
     assert "SONIC_MEGATRON_TOKEN_ROUNDING" not in e2e.provider_env("grouped", "/m", {})
 

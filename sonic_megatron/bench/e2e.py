@@ -190,6 +190,13 @@ def torchrun_command(pretrain_gpt: str, nproc: int, flags: list[str], python: st
     return [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), pretrain_gpt, *flags]
 
 
+def shell_line(cmd: list[str], env: dict[str, str], base: dict[str, str] | None = None) -> str:
+    """The command as one shell line, prefixed by the variables it sets beyond ``base`` (default: ours)."""
+    base = os.environ if base is None else base
+    assignments = [f"{k}={shlex.quote(v)}" for k, v in env.items() if base.get(k) != v]
+    return " ".join([*assignments, shlex.join(cmd)])
+
+
 def provider_env(name: str, mlm_dir: str, base: dict[str, str]) -> dict[str, str]:
     """``base`` with Megatron-LM's files and this checkout first on PYTHONPATH (pretrain_gpt.py imports
     gpt_builders/model_provider as top-level modules; --spec imports sonic_megatron), one NCCL connection
@@ -274,9 +281,8 @@ def _log_excerpt(log_path: str) -> list[str]:
 def run_provider(name: str, index: int, count: int, cmd: list[str], env: dict, log_path: str, args) -> dict:
     shape = CONFIGS[args.config]
     tag = f"[{index}/{count}] {name}"
-    extra_env = " ".join(f"{k}={v}" for k, v in PROVIDERS[name].env.items())
     print(f"{tag}: starting, log {log_path}", flush=True)
-    print(f"  {extra_env + ' ' if extra_env else ''}{shlex.join(cmd)}", flush=True)
+    print(f"  {shell_line(cmd, env)}", flush=True)
     t0 = time.perf_counter()
     rc, timed_out = run_logged(cmd, env, log_path, args.timeout, _progress_printer(name, args.iters))
     elapsed = time.perf_counter() - t0
@@ -370,8 +376,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     log_dir = args.log_dir or (os.path.dirname(os.path.abspath(args.json)) if args.json else "out")
     os.makedirs(log_dir, exist_ok=True)
-    for path in [] if args.dry_run else install_dataset_sources(args.megatron_lm):
-        print(f"installed {path} (pretrain_gpt.py compiles megatron-core's dataset helpers with it)")
+    if not args.dry_run:
+        try:
+            for path in install_dataset_sources(args.megatron_lm):
+                print(f"installed {path} (pretrain_gpt.py compiles megatron-core's dataset helpers with it)")
+        except OSError as exc:  # a read-only install: Megatron's own error follows if the helpers are missing
+            print(f"warning: could not install the dataset helper sources: {exc}", file=sys.stderr)
     print(
         f"bench e2e: config {args.config} {dataclasses.asdict(shape)}, {nproc} GPU(s), EP {args.ep}, "
         f"{args.iters} iterations ({args.warmup} warm-up), providers {', '.join(providers)}",
@@ -380,11 +390,10 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for i, name in enumerate(providers, start=1):
         cmd = torchrun_command(pretrain_gpt, nproc, flags + provider_flags(name))
-        if args.dry_run:
-            env = " ".join(f"{k}={v}" for k, v in PROVIDERS[name].env.items())
-            print(f"[{i}/{len(providers)}] {name}: {env + ' ' if env else ''}{shlex.join(cmd)}")
-            continue
         env = provider_env(name, args.megatron_lm, dict(os.environ))
+        if args.dry_run:
+            print(f"[{i}/{len(providers)}] {name}: {shell_line(cmd, env)}")
+            continue
         log_path = os.path.join(log_dir, f"e2e-{args.config}-{name}.log")
         rows.append(run_provider(name, i, len(providers), cmd, env, log_path, args))
     if args.dry_run:
