@@ -256,9 +256,8 @@ def grouped_block_spec(config, vp_stage: int | None = None):
             "grouped_block_spec needs megatron-core >= 0.19 (megatron.training.models.gpt); on older versions "
             "build the spec in code with sonic_megatron.baseline.swap_experts_spec"
         ) from exc
-    spec = swap_experts_spec(default_layer_spec(config, vp_stage))
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
-        experts = grouped_experts_builder()
-        name = getattr(experts, "module", getattr(experts, "func", experts))
-        print(f"sonic_megatron.baseline: routed experts {getattr(name, '__name__', name)}", flush=True)
-    return spec
+    experts = grouped_experts_builder()
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:  # which baseline ran, in the log
+        cls = getattr(experts, "module", getattr(experts, "func", experts))
+        print(f"sonic_megatron.baseline: routed experts {getattr(cls, '__name__', cls)}", flush=True)
+    return swap_experts_spec(default_layer_spec(config, vp_stage), experts)

@@ -88,6 +88,7 @@ def test_summary_statistics():
     lines += [_iteration_line(i + 1, len(ms), m, 100.0 + i, 10.0 - i) for i, m in enumerate(ms)]
     lines.insert(4, _memory_line(2, 300.0))
     lines.append(_memory_line(7, 250.0))
+    lines.insert(1, "sonic_megatron.baseline: routed experts GroupedMMExperts")
     s = summarize(parse_log(lines), warmup=2, tokens_per_iteration=16 * 2048, num_gpus=2)
     timed = sorted(ms[2:])
     assert s["iterations_logged"] == 7 and s["iterations_timed"] == 5
@@ -96,6 +97,7 @@ def test_summary_statistics():
     assert s["tflops_per_gpu"] == 104.0
     assert s["peak_allocated_mib"] == 300.0 and s["peak_reserved_mib"] == 8192.0
     assert s["losses"] == [10.0 - i for i in range(7)] and s["final_loss"] == 4.0
+    assert s["baseline_experts"] == "GroupedMMExperts"
     empty = summarize(parse_log(["Traceback (most recent call last):"]), warmup=2, tokens_per_iteration=1, num_gpus=1)
     assert empty["ms_per_iter_median"] is None and empty["tokens_per_s_per_gpu"] is None and empty["losses"] == []
 

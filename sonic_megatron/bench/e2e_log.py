@@ -22,6 +22,8 @@ import statistics
 RANK_PREFIX_RE = re.compile(r"^\[(?:default)?rank\d+\]:\s?")
 ITERATION_RE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
 MEMORY_RE = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\)((?:\s*\|\s*[^|]+)+)")
+# Printed by sonic_megatron.baseline.grouped_block_spec: which experts module the baseline run built.
+BASELINE_EXPERTS_RE = re.compile(r"sonic_megatron\.baseline: routed experts (\w+)")
 MS_KEY = "elapsed time per iteration (ms)"
 TFLOPS_KEY = "throughput per GPU (TFLOP/s/GPU)"
 LOSS_KEY = "lm loss"
@@ -59,15 +61,23 @@ def parse_memory(line: str) -> dict | None:
 
 
 def parse_log(lines) -> dict:
-    """Every iteration record (last one wins per iteration number, in order) and memory report of a log."""
+    """Every iteration record (last one wins per iteration number, in order) and memory report of a log, and
+    the baseline's experts class if the log names it."""
     iterations: dict[int, dict] = {}
     memory = []
+    baseline_experts = None
     for line in lines:
         if (it := parse_iteration(line)) is not None:
             iterations[it["iteration"]] = it
         elif (mem := parse_memory(line)) is not None:
             memory.append(mem)
-    return {"iterations": [iterations[k] for k in sorted(iterations)], "memory": memory}
+        elif (m := BASELINE_EXPERTS_RE.search(line)) is not None:
+            baseline_experts = m.group(1)
+    return {
+        "iterations": [iterations[k] for k in sorted(iterations)],
+        "memory": memory,
+        "baseline_experts": baseline_experts,
+    }
 
 
 def summarize(parsed: dict, *, warmup: int, tokens_per_iteration: int, num_gpus: int) -> dict:
@@ -83,6 +93,7 @@ def summarize(parsed: dict, *, warmup: int, tokens_per_iteration: int, num_gpus:
     reserved = [m["max reserved"] for m in parsed["memory"] if "max reserved" in m]
     losses = [it.get(LOSS_KEY) for it in its]
     return {
+        "baseline_experts": parsed.get("baseline_experts"),
         "iterations_logged": len(its),
         "iterations_timed": len(ms),
         "ms_per_iter_median": median_ms,
