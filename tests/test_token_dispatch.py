@@ -435,7 +435,8 @@ def test_weight_grads_run_while_backward_all_to_all_in_flight(monkeypatch):
 @pytest.mark.parametrize("n", [0, 1, 7])
 def test_scores_ride_in_pair_metadata_bitwise(dtype, n):
     """Scores travel as int32 columns of the pair-metadata all-to-all: the round trip is exact for every dtype."""
-    from sonic_megatron.token_dispatch.plan import score_columns, scores_from_columns
+    from sonic_megatron.token_dispatch.recv_side import scores_from_columns
+    from sonic_megatron.token_dispatch.send_side import score_columns
 
     s = (torch.randn(n, dtype=torch.float64) * 3).to(dtype)
     cols = score_columns(s)

@@ -91,7 +91,7 @@ def test_launch_order(monkeypatch):
     backward-data GEMMs; A's dX / dS before B's experts; B's combine before A's weight gradients; and nothing
     waits for a collective between its launch and the other micro-batch's kernels that should hide it."""
     from sonic_megatron.kernels import torch_backend
-    from sonic_megatron.token_dispatch import comm, exchange, plan
+    from sonic_megatron.token_dispatch import comm, exchange, sizes
 
     log = []
 
@@ -102,7 +102,7 @@ def test_launch_order(monkeypatch):
     wrap(exchange, "rows_to_experts", "rows_out")
     wrap(exchange, "rows_to_sources", "rows_back")
     wrap(exchange, "pairs_to_sources", "pairs_back")
-    wrap(plan, "all_gather", "plan")
+    wrap(sizes, "all_gather", "plan")
     for name in ("forward", "backward_data", "backward_weights"):
         wrap(torch_backend, name, name)
     monkeypatch.setattr(comm.Pending, "wait", lambda self, o=comm.Pending.wait: (log.append("wait"), o(self))[1])
@@ -134,10 +134,10 @@ def test_launch_order(monkeypatch):
 def test_plan_before_sync_runs_between_the_all_gather_and_the_host_copy(monkeypatch):
     """make_plan(before_sync=f): f runs once, after the counts all-gather is launched and before the host reads
     it (the header check follows the copy), also when the input is bad (every rank launches the same)."""
-    from sonic_megatron.token_dispatch import EPInputError, make_plan, plan, validation
+    from sonic_megatron.token_dispatch import EPInputError, make_plan, sizes, validation
 
     log = []
-    monkeypatch.setattr(plan, "all_gather", lambda *a, o=plan.all_gather: (log.append("all_gather"), o(*a))[1])
+    monkeypatch.setattr(sizes, "all_gather", lambda *a, o=sizes.all_gather: (log.append("all_gather"), o(*a))[1])
     check = validation.check_headers
     monkeypatch.setattr(validation, "check_headers", lambda *a: (log.append("host copy read"), check(*a))[1])
     a, _ = _micro_batches("random", 1)

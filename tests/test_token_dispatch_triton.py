@@ -1,5 +1,5 @@
 """The expert-parallel receive-side Triton kernel (token_dispatch/triton_recv.py) against its PyTorch reference
-(token_dispatch.plan._recv_rows_keys_torch), on CPU under TRITON_INTERPRET=1 (compiled on a GPU when present).
+(token_dispatch.recv_side.recv_rows_keys_torch), on CPU under TRITON_INTERPRET=1 (compiled on a GPU when present).
 Inputs follow the plan's invariants: segments (chunk, source) in order, every row with >= 1 pair, rows
 ascending inside a segment; the counts are a column slice of a wider int64 tensor, as in ``make_plan``."""
 
@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from sonic_megatron.token_dispatch.plan import _recv_rows_keys_torch  # noqa: E402
+from sonic_megatron.token_dispatch.recv_side import recv_rows_keys_torch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MAXC, HDR = 16, 18
@@ -59,7 +59,7 @@ def test_ep_recv_rows_keys_matches_torch(case, by_source):
         pytest.skip(f"triton kernels cannot be imported here: {exc}")
     meta_QC, counts_PW, kw = _inputs(**CASES[case])
     kw["by_source"] = by_source
-    want = _recv_rows_keys_torch(meta_QC, counts_PW, **kw)
+    want = recv_rows_keys_torch(meta_QC, counts_PW, **kw)
     # The kernel's outputs come from torch.empty: poisoned (max int) here, so an unwritten element shows.
     det, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True)

@@ -1,5 +1,5 @@
 """The expert-parallel send-side Triton kernels (token_dispatch/triton_send.py) against their PyTorch reference
-(token_dispatch.plan._send_side on plan._flat of the top-K routing): every field bitwise equal (dtype, shape,
+(token_dispatch.send_side.send_side_torch on the flat top-K routing): every field bitwise equal (dtype, shape,
 values), on CPU under TRITON_INTERPRET=1 (compiled on a GPU when present). Outputs come from torch.empty,
 poisoned here (deterministic fill), so an element the kernels forget to write shows."""
 
@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from sonic_megatron.kernels.routing import TopKRouting  # noqa: E402
-from sonic_megatron.token_dispatch import plan  # noqa: E402
+from sonic_megatron.token_dispatch import recv_side, send_side  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -50,8 +50,8 @@ def _run(T, K, L, P, N, *, mode="random", idx_dtype=torch.int64, score_dtype=tor
     gen = torch.Generator().manual_seed(seed)
     idx = _indices(T, K, L, P, mode, gen).to(DEVICE, idx_dtype)
     scores = torch.randn(T, K, generator=gen, dtype=torch.float64).to(DEVICE, score_dtype)
-    tok_R, exp_R, scores_R = plan._flat(TopKRouting(scores, idx))
-    want = plan._send_side(tok_R, exp_R, scores_R, T, L, P, N)
+    tok_R, exp_R, scores_R = send_side.flat_routing(TopKRouting(scores, idx))
+    want = send_side.send_side_torch(tok_R, exp_R, scores_R, T, L, P, N)
     det, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = True
@@ -60,13 +60,13 @@ def _run(T, K, L, P, N, *, mode="random", idx_dtype=torch.int64, score_dtype=tor
     finally:
         torch.use_deterministic_algorithms(det)
         torch.utils.deterministic.fill_uninitialized_memory = fill
-    side = plan._SendSide(*got)  # the integrator's construction
+    side = send_side.SendSide(*got)  # the integrator's construction
     for name in type(got)._fields:
         a, b = getattr(side, name), getattr(want, name)
         assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
         assert torch.equal(a, b), f"{name}: {a.flatten().tolist()[:24]} vs {b.flatten().tolist()[:24]}"
     if mode != "bad":  # the score bits decode to the scores of the pairs in send order
-        back = plan.scores_from_columns(side.pair_meta_RC[:, 2:], score_dtype)
+        back = recv_side.scores_from_columns(side.pair_meta_RC[:, 2:], score_dtype)
         assert torch.equal(back, scores.reshape(-1)[side.order])
     return side
 
@@ -126,7 +126,7 @@ def test_strided_inputs_and_grad():
     scores = torch.rand(T, 2 * K, generator=gen).to(DEVICE)[:, ::2].requires_grad_()
     assert not idx.is_contiguous() and not scores.is_contiguous()
     got = ep_send_side(idx, scores, T, L, P, N, block_tokens=8)
-    want = plan._send_side(*plan._flat(TopKRouting(scores, idx)), T, L, P, N)
+    want = send_side.send_side_torch(*send_side.flat_routing(TopKRouting(scores, idx)), T, L, P, N)
     for a, b in zip(got, (getattr(want, f) for f in type(got)._fields), strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert scores.grad is None
@@ -177,7 +177,7 @@ def test_large_on_gpu(N):
     logits = torch.randn(T, E, device="cuda", generator=gen)
     scores, idx = torch.topk(logits.softmax(-1), K, dim=-1)
     for s in (scores, scores.bfloat16()):
-        want = plan._send_side(*plan._flat(TopKRouting(s, idx)), T, E // P, P, N)
+        want = send_side.send_side_torch(*send_side.flat_routing(TopKRouting(s, idx)), T, E // P, P, N)
         got = ep_send_side(idx, s, T, E // P, P, N)
         for name in type(got)._fields:
             a, b = getattr(got, name), getattr(want, name)

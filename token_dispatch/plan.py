@@ -1,36 +1,24 @@
-"""The dispatch plan: who sends which token rows and pairs where, computed once per layer call.
+"""The dispatch plan: who sends which token rows and pairs where, computed once per layer call (``make_plan``).
 
-Shape legend (extends ``kernels/routing.py``):
-    T  tokens of this rank       E  global experts        L  local experts (E / P)     P  EP ranks
-    N  chunks (num_chunks)       R  routed pairs of this rank (after rounding)
-    S  send rows: distinct (token, destination rank) of this rank, ordered (chunk, destination, token)
-    U  received rows of one chunk, ordered (source rank, token)      Q  received pairs of one chunk
+Shape legend: see ``send_side.py`` (T, E, L, P, N, R, S); U received rows and Q received pairs of this rank.
 
 A token crosses to a destination rank once, however many of its experts live there (dedup). Its pairs on
-that rank travel as int32 (row within the (chunk, source) segment, local expert, the score's bits: one
-column for float32 and 16-bit floats, two for float64); the receiver turns them into a ``FlatRouting``
-over its L local experts whose "tokens" are receive-buffer rows, so the local grouped GEMM gathers
-straight from the receive buffer (no second permutation).
+that rank travel as int32 (row within the (chunk, source) segment, local expert, the score's bits); the
+receiver turns them into routing metadata over its L local experts whose "tokens" are receive-buffer rows.
 
-Order of ``make_plan`` -- the host sync drains the GPU queue, so as little as possible comes after it:
-  1. before the sync, on the device: validation header, send layout and everything of the send side that
-     needs no host size, sized by R (>= S send rows) and sliced after the sync: send rows' tokens, pair
-     metadata + score bits, combine order and offsets (``_send_side``; for top-K routing on CUDA the Triton
-     kernels of ``triton_send.py``, same results in a few launches).
-  2. no rounding: ONE all-gather of [18 + 2 * 16 * P] int64 (header + per-(chunk, destination) row and
-     pair counts, sized for up to MAX_CHUNKS = 16 chunks so that every rank sends the same size even when
-     their inputs disagree) and ONE host copy of it (split sizes must be host ints for all_to_all_single;
-     the header check rides along). Between the all-gather's launch and the host copy the caller's
-     ``before_sync`` runs (interleave.py launches the previous micro-batch's dO all-to-all there: its host
-     cost then overlaps the wait for the all-gather).
-     rounding: the same all-gather (counts left empty) and host copy come first (so bad input fails before
-     rounding), then rounding's one candidate all-gather and two host syncs (the all-ranks duplicate-pair
-     flags, a few bytes; ``nonzero``: the rounded pair count), then the send side, the counts all-gather
-     and its host copy.
-  3. after the sync: host split lists, then at once one all-to-all per chunk of the pair metadata (sizes
-     known), NOT waited for. ``make_plan`` returns; the caller launches its row all-to-alls and only then
-     touches ``plan.recv_meta`` / ``plan.recv_scores()``, which wait for the pair all-to-alls and build the
-     receive metadata (``_recv_metadata``) while the rows are in flight.
+``make_plan`` reads top to bottom -- the host sync drains the GPU queue, so as little as possible comes after it:
+  1. route: check this rank's inputs (the error, if any, travels in the header: every rank raises together),
+     flatten the routing;
+  2. send side (``send_side.py``), on the device before the sync, sized by R and sliced after it;
+  3. sizes (``sizes.py``): ONE all-gather of header + per (chunk, destination) counts, the caller's
+     ``before_sync`` while it travels (``ep_forward_backward`` launches the previous micro-batch's dO all-to-all
+     there), ONE host copy, the header check;
+  4. rounding, decided here and nowhere else (``round_routing``): after the header check (bad input fails
+     before rounding) the routing is rounded (one candidate all-gather, two host syncs), then the send side
+     and the counts exchange (a host sync) run again on the rounded pairs;
+  5. receive side (``recv_side.py``): the pair-metadata all-to-alls (one per chunk) are launched and NOT waited
+     for; the caller launches its row all-to-alls and only then touches ``plan.recv_meta`` /
+     ``plan.recv_scores()``, which wait for them and build the receive metadata while the rows travel.
 """
 
 from __future__ import annotations
@@ -40,10 +28,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.routing import FlatRouting, RoutingMetadata, TopKRouting, compute_metadata_torch, flatten_routing
+from ..kernels.routing import FlatRouting, RoutingMetadata, TopKRouting
 from . import validation as V
-from .comm import Pending, all_gather, all_to_all, group_fingerprint, group_rank, group_size
+from .comm import group_fingerprint, group_rank, group_size
+from .recv_side import IncomingPairs, launch_pair_all_to_alls, recv_metadata, scores_from_columns
 from .rounding import RoundingResult, TokenRounding, round_routing
+from .send_side import build_send_side, flat_routing
+from .sizes import counts_slot, exchange_counts, exchange_header_and_counts, pair_base, split_sizes
 
 
 @dataclass
@@ -82,14 +73,10 @@ class EPPlan:
     rounding: RoundingResult | None = None
     by_source: bool = False
     _offsets: dict = field(default_factory=dict, repr=False)
-    _incoming: tuple | None = field(default=None, repr=False)  # (pending pair all-to-alls, meta_QC, counts)
+    _incoming: IncomingPairs | None = field(default=None, repr=False)  # the pair all-to-alls (recv_side.py)
     _recv_meta: list | None = field(default=None, repr=False)
 
     # --- the receive side: pair metadata and scores arrive by the plan's (async) all-to-alls -------------
-    def _received(self) -> tuple[torch.Tensor, torch.Tensor]:
-        pending, meta_QC, counts_dev = self._incoming
-        pending.wait()  # no-op after the first call
-        return meta_QC, counts_dev
 
     @property
     def recv_meta(self) -> list[RoutingMetadata]:
@@ -98,13 +85,12 @@ class EPPlan:
         the plan's pair all-to-alls: call it after launching the row all-to-alls so that both are in flight
         together."""
         if self._recv_meta is None:
-            self._recv_meta = _recv_metadata(self, *self._received())
+            self._recv_meta = recv_metadata(self, self._incoming, pair_base(self.world_size))
         return self._recv_meta
 
     def recv_scores(self) -> torch.Tensor:
         """The received pairs' scores [Q] (dtype of ``scores_R``), in receive order; a new tensor per call."""
-        meta_QC, _ = self._received()
-        return scores_from_columns(meta_QC[:, 2:], self.scores_R.dtype)
+        return scores_from_columns(self._incoming.meta_QC()[:, 2:], self.scores_R.dtype)
 
     # --- stages: the unit of pipelining -----------------------------------------------------------------
     # Chunk mode (by_source False): stage i = chunk i, its all-to-alls move the chunk's rows between all ranks.
@@ -197,107 +183,6 @@ class EPPlan:
         return rows, pairs
 
 
-def _flat(routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if isinstance(routing, TopKRouting) and routing.indices_TK.dim() == 2:  # 2 launches (no CSR offsets)
-        T, K = routing.indices_TK.shape
-        tok = torch.arange(T, device=routing.indices_TK.device).unsqueeze(1).expand(T, K).reshape(-1)
-        return tok, routing.indices_TK.reshape(-1).long(), routing.scores_TK.reshape(-1)
-    tok, exp, scores, _ = flatten_routing(routing)
-    return tok.long(), exp.long(), scores
-
-
-def _send_layout(tok_R, exp_R, T, L, P, N):
-    """Device-side send layout: (pair order, sorted segment ids, sorted tokens, send row of each sorted pair,
-    per-segment row counts [N*P], per-segment pair counts [N*P], first send row of each segment [N*P]).
-    No host sync."""
-    device = tok_R.device
-    R = tok_R.numel()
-    seg_R = torch.div(exp_R, L, rounding_mode="floor").clamp(0, P - 1)  # destination; bad indices fail later
-    if N > 1:
-        chunk_R = torch.div(tok_R.clamp(min=0) * N, max(T, 1), rounding_mode="floor").clamp(0, N - 1)
-        seg_R = chunk_R * P + seg_R
-    # Pairs arrive sorted by token; a stable sort by segment keeps tokens ascending inside a segment. The
-    # narrowest key dtype: CUDA's radix sort makes one pass per key byte (int16: 2 passes, int64: 8).
-    key_dtype = torch.int16 if N * P <= 2**15 else torch.int32
-    order = torch.sort(seg_R.to(key_dtype), stable=True).indices
-    seg_s, tok_s = seg_R[order], tok_R[order]
-    key = seg_s * (T + 1) + tok_s
-    is_new = torch.ones(R, dtype=torch.bool, device=device)
-    if R > 1:
-        is_new[1:] = key[1:] != key[:-1]
-    new_before = torch.zeros(R + 1, dtype=torch.int64, device=device)  # send rows started before pair i
-    torch.cumsum(is_new, 0, dtype=torch.int64, out=new_before[1:])
-    row_of_pair = new_before[1:] - 1
-    # Per-segment counts from the segment boundaries of the sorted pairs (no atomics, unlike index_add_).
-    bounds = torch.searchsorted(seg_s, torch.arange(N * P + 1, dtype=seg_s.dtype, device=device))
-    rows_before = new_before[bounds]  # [N*P + 1] send rows before each segment
-    return order, seg_s, tok_s, row_of_pair, rows_before.diff(), bounds.diff(), rows_before[:-1]
-
-
-def score_columns(scores_R: torch.Tensor) -> torch.Tensor:
-    """The scores' bits as int32 columns [R, 1 or 2] (they ride in the pair-metadata all-to-all): float32 as
-    is, float64 as two columns, 16-bit floats widened to float32 first (exact)."""
-    s = scores_R.detach()
-    if s.dtype != torch.float64:
-        s = s.float()
-    return s.contiguous().view(torch.int32).view(s.numel(), 2 if s.dtype == torch.float64 else 1)
-
-
-def scores_from_columns(cols_QC: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of ``score_columns`` for the received pairs: [Q] of ``dtype`` (a new tensor)."""
-    wire = torch.float64 if dtype == torch.float64 else torch.float32
-    s = cols_QC.contiguous().view(wire).reshape(-1)
-    return s.to(dtype) if s.dtype != dtype else s
-
-
-@dataclass
-class _SendSide:
-    """The send side of a plan, all on the device and sized by R (>= S): nothing here needs a host size, so it
-    is all launched BEFORE the plan's host sync and sliced to S after it."""
-
-    order: torch.Tensor  # send_pair_idx [R]
-    send_token_idx_R: torch.Tensor  # [R]; rows S.. hold the sentinel T
-    combine_order_R: torch.Tensor  # [R]; the first S entries are the combine order of the S send rows
-    combine_offsets: torch.Tensor  # [T + 1]
-    pair_meta_RC: torch.Tensor  # int32 [R, 2 + score columns]: row in segment, local expert, score bits
-    rows_NP: torch.Tensor
-    pairs_NP: torch.Tensor
-
-
-def _send_side(tok_R, exp_R, scores_R, T, L, P, N) -> _SendSide:
-    order, seg_s, tok_s, row_of_pair, rows_NP, pairs_NP, seg_row_start = _send_layout(tok_R, exp_R, T, L, P, N)
-    R, device = tok_R.numel(), tok_R.device
-    # Send rows number S <= R (host-known only after the sync): an R buffer whose rows past S keep the
-    # sentinel T, so that they sort after every real row in the combine order below and are sliced off.
-    send_token_idx_R = torch.full((R,), T, dtype=torch.int64, device=device)
-    send_token_idx_R.scatter_(0, row_of_pair, tok_s)  # duplicates of a row write the same token
-    row_in_seg = row_of_pair - seg_row_start[seg_s]
-    local_exp = exp_R[order].remainder(L)  # = expert - destination * L (expert indices checked >= 0)
-    cols = [row_in_seg.to(torch.int32).unsqueeze(1), local_exp.to(torch.int32).unsqueeze(1)]
-    pair_meta_RC = torch.cat([*cols, score_columns(scores_R)[order]], dim=1)
-    # int32 keys: half the radix passes of int64 (tokens < 2^31).
-    keys_R = send_token_idx_R.to(torch.int32) if T < 2**31 else send_token_idx_R
-    sorted_keys, combine_order_R = torch.sort(keys_R, stable=True)
-    combine_offsets = torch.searchsorted(sorted_keys, torch.arange(T + 1, device=device, dtype=keys_R.dtype))
-    return _SendSide(order, send_token_idx_R, combine_order_R, combine_offsets, pair_meta_RC, rows_NP, pairs_NP)
-
-
-def _build_send_side(routing, tok_R, exp_R, scores_R, T, L, P, N) -> _SendSide:
-    """The send side of top-K routing on CUDA from the Triton kernels (``triton_send.py``: a few launches
-    instead of ~40, bitwise the same results), else from ``_send_side``'s PyTorch ops (the reference; CPU,
-    flat routing, rounded routing)."""
-    topk = isinstance(routing, TopKRouting) and routing.indices_TK.dim() == 2
-    if tok_R.is_cuda and topk:
-        try:
-            from .triton_send import MAX_RANKS, ep_send_side
-        except ImportError:  # no Triton: PyTorch's ops (same contract)
-            pass
-        else:
-            if P <= MAX_RANKS:  # the kernels keep one tile of destination flags per token
-                return _SendSide(*ep_send_side(routing.indices_TK, routing.scores_TK, T, L, P, N))
-    return _send_side(tok_R, exp_R, scores_R, T, L, P, N)
-
-
 def make_plan(
     routing: TopKRouting | FlatRouting,
     *,
@@ -335,6 +220,7 @@ def make_plan(
     """
     P, rank = group_size(group), group_rank(group)
     T = V.routing_num_tokens(routing)
+    # 1. route: this rank's checks (an error rides in the header, so that every rank raises it), the flat pairs
     error = None
     try:
         V.check_local(
@@ -357,7 +243,7 @@ def make_plan(
     L = max(num_experts // P, 1) if error is None else 1
     stats = None
     if error is None:
-        tok_R, exp_R, scores_R = _flat(routing)
+        tok_R, exp_R, scores_R = flat_routing(routing)
         stats = V.index_stats(tok_R, exp_R, T, isinstance(routing, FlatRouting))
     hdr = V.header(
         error=error is not None,
@@ -376,44 +262,31 @@ def make_plan(
         index_stats=stats,
         device=device,
     )
-
-    def counts_slot(side: _SendSide | None) -> list[torch.Tensor]:
-        # Fixed size (MAX_CHUNKS) so that ranks passing different num_chunks still exchange equal sizes.
-        if side is None:
-            return [torch.zeros(2 * V.MAX_CHUNKS * P, dtype=torch.int64, device=device)]
-        pad = torch.zeros((V.MAX_CHUNKS - N) * P, dtype=torch.int64, device=device)
-        return [side.rows_NP, pad, side.pairs_NP, pad]
-
-    # Everything that needs no host size is launched before the sync: the send side (sized by R).
-    side = _build_send_side(routing, tok_R, exp_R, scores_R, T, L, P, N) if error is None and rounding is None else None
-    # The one host sync of the plan without rounding: header + split sizes (the header check rides along).
-    gathered_dev = all_gather(torch.cat([*hdr, *counts_slot(side)]), group)
-    if before_sync is not None:
-        before_sync()
-    gathered = gathered_dev.tolist()
-    V.check_headers([g[: V.HEADER_LEN] for g in gathered], error, group, num_experts)
-    counts_P = [g[V.HEADER_LEN :] for g in gathered]
-    counts_dev = gathered_dev[:, V.HEADER_LEN :]  # the same counts on the device (receive metadata)
+    # 2. send side, before the sync (with rounding it follows the rounded pairs, step 4)
+    side = None
+    if error is None and rounding is None:
+        topk = routing if isinstance(routing, TopKRouting) else None
+        side = build_send_side(tok_R, exp_R, scores_R, T, L, P, N, topk)
+    # 3. sizes: header + counts, the one host sync of a plan without rounding
+    counts_host, counts_PW = exchange_header_and_counts(
+        hdr,
+        counts_slot(side, P, N, device),
+        local_error=error,
+        group=group,
+        num_experts=num_experts,
+        before_sync=before_sync,
+    )
+    # 4. rounding: the one place that decides it
     rounded = None
     if rounding is not None:
         rounded = round_routing(
             tok_R, exp_R, scores_R, rounding_scores_TE, num_experts=num_experts, rounding=rounding, group=group
         )
         tok_R, exp_R, scores_R = rounded.token_idx_R, rounded.expert_idx_R, rounded.scores_R
-        side = _send_side(tok_R, exp_R, scores_R, T, L, P, N)
-        counts_dev = all_gather(torch.cat(counts_slot(side)), group)
-        counts_P = counts_dev.tolist()  # host sync: sizes after rounding
-
-    # --- after the sync: host split sizes [N][P], then at once the pair-metadata all-to-alls ---------------
-    def split(src: int, c: int, pairs: bool) -> list[int]:
-        base = V.MAX_CHUNKS * P if pairs else 0
-        return counts_P[src][base + c * P : base + (c + 1) * P]
-
-    send_rows = [split(rank, c, False) for c in range(N)]
-    send_pairs = [split(rank, c, True) for c in range(N)]
-    recv_rows = [[split(src, c, False)[rank] for src in range(P)] for c in range(N)]
-    recv_pairs = [[split(src, c, True)[rank] for src in range(P)] for c in range(N)]
-    S = sum(map(sum, send_rows))
+        side = build_send_side(tok_R, exp_R, scores_R, T, L, P, N)
+        counts_host, counts_PW = exchange_counts(counts_slot(side, P, N, device), group)  # host sync
+    sizes = split_sizes(counts_host, counts_PW, rank=rank, num_chunks=N)
+    S = sum(map(sum, sizes.send_rows))
     plan = EPPlan(
         group=group,
         rank=rank,
@@ -429,114 +302,13 @@ def make_plan(
         send_pair_idx=side.order,
         combine_order_S=side.combine_order_R[:S],
         combine_offsets=side.combine_offsets,
-        send_rows=send_rows,
-        send_pairs=send_pairs,
-        recv_rows=recv_rows,
-        recv_pairs=recv_pairs,
+        send_rows=sizes.send_rows,
+        send_pairs=sizes.send_pairs,
+        recv_rows=sizes.recv_rows,
+        recv_pairs=sizes.recv_pairs,
         rounding=rounded,
         by_source=by_source,
     )
-    # Pair metadata (and scores): one all-to-all per chunk, launched now and NOT waited for: the receive
-    # metadata is built on first use of ``plan.recv_meta`` (after the caller launched its row all-to-alls).
-    meta_QC = side.pair_meta_RC.new_empty(plan.num_recv_pairs, side.pair_meta_RC.shape[1])
-    pending = Pending()
-    for c in range(N):
-        s0, s1 = plan.chunk_range("send_pairs", c)
-        r0, r1 = plan.chunk_range("recv_pairs", c)
-        pending.add(
-            all_to_all(meta_QC[r0:r1], side.pair_meta_RC[s0:s1], recv_pairs[c], send_pairs[c], group, async_op=True)
-        )
-    plan._incoming = (pending, meta_QC, counts_dev)
+    # 5. receive side: the pair metadata leaves now, not waited for (``plan.recv_meta`` waits on first use)
+    plan._incoming = launch_pair_all_to_alls(plan, side.pair_meta_RC, sizes.counts_PW)
     return plan
-
-
-def _metadata_builder(device: torch.device):
-    """The kernels' Triton metadata on CUDA (4 launches, same results as PyTorch's), PyTorch's elsewhere."""
-    if device.type == "cuda":
-        try:
-            from ..kernels.triton import compute_metadata_triton
-
-            return compute_metadata_triton
-        except ImportError:  # no Triton: PyTorch's ops (same contract)
-            pass
-    return compute_metadata_torch
-
-
-def _recv_rows_keys_torch(
-    meta_QC: torch.Tensor,
-    counts_PW: torch.Tensor,
-    *,
-    rank,
-    world_size,
-    num_local_experts,
-    num_chunks,
-    pair_base,
-    num_recv_rows,
-    by_source=False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row_Q, key_Q, token_offsets) int32 of the received pairs with PyTorch ops: the reference of (and the
-    CPU path for) the one-launch Triton kernel ``triton_recv.py`` (its docstring defines them)."""
-    N, P, L, device = num_chunks, world_size, num_local_experts, counts_PW.device
-    Q, U = meta_QC.shape[0], num_recv_rows
-    cols = rank + P * torch.arange(N, device=device)  # column of (chunk c, destination = this rank)
-    recv_rows_NP = counts_PW[:, cols].t().reshape(-1)  # [(chunk, source)] rows received
-    recv_pairs_NP = counts_PW[:, pair_base + cols].t().reshape(-1)
-    seg_Q = torch.repeat_interleave(torch.arange(N * P, device=device), recv_pairs_NP, output_size=Q)
-    seg_row0 = torch.cumsum(recv_rows_NP, 0) - recv_rows_NP  # first receive row of each (chunk, source)
-    row_Q = meta_QC[:, 0].long() + seg_row0[seg_Q]  # row in the whole receive buffer (non-decreasing)
-    group_Q = seg_Q if by_source else torch.div(seg_Q, P, rounding_mode="floor")  # (chunk, source) or chunk
-    key_Q = group_Q * L + meta_QC[:, 1].long()
-    token_offsets = torch.searchsorted(row_Q, torch.arange(U + 1, device=device, dtype=torch.int64))
-    return row_Q.int(), key_Q.int(), token_offsets.int()
-
-
-def _recv_rows_keys(meta_QC: torch.Tensor, counts_PW: torch.Tensor, **kw):
-    """One Triton launch on CUDA, PyTorch's ops elsewhere (same int32 results)."""
-    if counts_PW.is_cuda:
-        try:
-            from .triton_recv import ep_recv_rows_keys
-
-            return ep_recv_rows_keys(meta_QC, counts_PW, **kw)
-        except ImportError:
-            pass
-    return _recv_rows_keys_torch(meta_QC, counts_PW, **kw)
-
-
-def _recv_metadata(plan: EPPlan, recv_meta_QC: torch.Tensor, counts_dev: torch.Tensor) -> list[RoutingMetadata]:
-    """Per stage, RoutingMetadata of the stage's received pairs over the L local experts (rows index that
-    stage's slice of the receive buffer). Built ONCE for all stages -- experts (stage, local expert), i.e.
-    N*L (chunk mode) or N*P*L (by source) of them, so stage i's expert-sorted rows are exactly its pair
-    range -- then shifted per stage (5 int32 ops a stage). Split sizes come from the device copy of the
-    counts exchange: no host-to-device copy, no stream sync."""
-    L, S = plan.num_local_experts, plan.num_stages
-    row_Q, key_Q, token_offsets = _recv_rows_keys(
-        recv_meta_QC,
-        counts_dev,
-        rank=plan.rank,
-        world_size=plan.world_size,
-        num_local_experts=L,
-        num_chunks=plan.num_chunks,
-        pair_base=V.MAX_CHUNKS * plan.world_size,
-        num_recv_rows=plan.num_recv_rows,
-        by_source=plan.by_source,
-    )
-    meta = _metadata_builder(counts_dev.device)(row_Q, key_Q, token_offsets, S * L)
-    if S == 1:
-        return [meta]
-    out = []
-    for i in range(S):
-        q0, q1 = plan.recv_pair_range(i)
-        u0, u1 = plan.recv_row_range(i)
-        # the stage's experts: (chunk, source) segment c * P + source by source, chunk c otherwise
-        c, _, src = plan.stage_peers(i)
-        g = c if src is None else c * plan.world_size + src
-        out.append(
-            RoutingMetadata(
-                expert_offsets=meta.expert_offsets[g * L : (g + 1) * L + 1] - q0,
-                x_gather_idx=meta.x_gather_idx[q0:q1] - u0,
-                s_scatter_idx=meta.s_scatter_idx[q0:q1] - q0,
-                s_reverse_scatter_idx=meta.s_reverse_scatter_idx[q0:q1] - q0,
-                token_offsets=meta.token_offsets[u0 : u1 + 1] - q0,
-            )
-        )
-    return out

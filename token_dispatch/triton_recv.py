@@ -6,7 +6,7 @@ score bits, are ignored). Segments j = c * P + p (chunk c, source rank p) follow
 buffers; segment j holds ``counts[p, c*P + rank]`` rows and ``counts[p, pair_base + c*P + rank]`` pairs,
 ``counts`` being the all-gathered int64 split sizes of the plan (still on the device: no host sync).
 
-Outputs (int32), as ``token_dispatch.plan._recv_rows_keys_torch`` (the reference and the CPU path):
+Outputs (int32), as ``recv_side.recv_rows_keys_torch`` (the reference and the CPU path):
     row_Q          receive-buffer row of each pair (segment's first row + row within the segment)
     key_Q          expert of each pair over N*L "chunk experts": c * L + local expert; with ``by_source``
                    over N*P*L "segment experts": (c * P + p) * L + local expert

@@ -1,11 +1,11 @@
 """Send side of the expert-parallel dispatch plan in THREE Triton launches (replaces about 40 small PyTorch ops).
 
-Shape legend (as ``token_dispatch/plan.py``): T tokens, K experts per token, R = T*K pairs, P ranks, L local
+Shape legend (as ``send_side.py``): T tokens, K experts per token, R = T*K pairs, P ranks, L local
 experts (E = L*P), N chunks, S send rows (distinct (token, destination) of this rank); additionally
 PP = P padded to a power of two, BT tokens per program ("tile"), J tiles per chunk, C score columns.
 
-The result equals, bit for bit, ``token_dispatch.plan._send_side`` (the reference and the CPU path) on the
-flattened top-K routing; its docstring and ``_SendSide`` define the fields. Segment of pair (t, k): chunk
+The result equals, bit for bit, ``send_side.send_side_torch`` (the reference and the CPU path) on the
+flattened top-K routing; its docstring and ``SendSide`` define the fields. Segment of pair (t, k): chunk
 c = t*N // T, destination d = clamp(expert // L, 0, P-1), segment c*P + d; pairs go out sorted by segment,
 token, k; send rows sorted by segment, token.
 
@@ -42,7 +42,7 @@ _SCAN_ELEMS = 2048  # elements per step of the one-program scan (the tests shrin
 
 
 class EPSendSide(NamedTuple):
-    """Fields in ``plan._SendSide`` order (``plan._SendSide(*result)``); see the module docstring."""
+    """Fields in ``send_side.SendSide`` order (``SendSide(*result)``); see the module docstring."""
 
     order: torch.Tensor  # int64 [R]: flat pair t*K + k of every pair, in send order
     send_token_idx_R: torch.Tensor  # int64 [R]: token of each send row; rows S.. hold the sentinel T
@@ -290,14 +290,14 @@ def ep_send_side(
     *,
     block_tokens: int | None = None,
 ) -> EPSendSide:
-    """The plan's send side for top-K routing, equal bit for bit to ``plan._send_side`` (module docstring).
+    """The plan's send side for top-K routing, equal bit for bit to ``send_side.send_side_torch`` (module docstring).
 
     Args:
         indices_TK: int32/int64 [T, K] GLOBAL expert ids in [0, E), E = L*P (any strides). Bad ids do not
             crash nor write out of bounds (destinations are clamped as the reference does); validation
             rejects them elsewhere.
         scores_TK: [T, K] float32/bf16/fp16/float64 (any strides; only read, autograd untouched). Its bits
-            ride in ``pair_meta_RC`` as ``plan.score_columns`` puts them: C = 2 columns for float64, else 1.
+            ride in ``pair_meta_RC`` as ``send_side.score_columns`` puts them: C = 2 columns for float64, else 1.
         num_tokens: T (must equal indices_TK.shape[0]; T = 0 gives empty outputs and offsets [0]).
         num_local_experts: L >= 1.
         world_size: P in [1, MAX_RANKS].

@@ -1,0 +1,143 @@
+"""The plan's receive side: the pair metadata that arrived by the plan's pair all-to-alls, turned into a
+``FlatRouting``-like ``RoutingMetadata`` over this rank's L local experts whose "tokens" are receive-buffer rows
+(the local grouped GEMM gathers straight from the receive buffer: no second permutation), and the scores.
+
+Shape legend (as ``send_side.py``): Q received pairs, U received rows, C int32 columns of the pair metadata,
+W columns of the all-gathered counts (header excluded). Nothing here syncs with the host: the split sizes come
+from the device copy of the plan's counts exchange (``sizes.py``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..kernels.routing import RoutingMetadata, compute_metadata_torch
+from .comm import Pending, all_to_all
+
+if TYPE_CHECKING:
+    from .plan import EPPlan
+
+
+def scores_from_columns(cols_QC: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``send_side.score_columns`` for the received pairs: [Q] of ``dtype`` (a new tensor)."""
+    wire = torch.float64 if dtype == torch.float64 else torch.float32
+    s = cols_QC.contiguous().view(wire).reshape(-1)
+    return s.to(dtype) if s.dtype != dtype else s
+
+
+class IncomingPairs:
+    """The pair metadata (and score bits) on its way here: one all-to-all per chunk, launched by
+    ``launch_pair_all_to_alls`` right after the plan's host sync and waited for only on first use."""
+
+    def __init__(self, pending: Pending, meta_QC: torch.Tensor, counts_PW: torch.Tensor) -> None:
+        self._pending, self._meta_QC, self.counts_PW = pending, meta_QC, counts_PW
+
+    def meta_QC(self) -> torch.Tensor:
+        self._pending.wait()  # no-op after the first call
+        return self._meta_QC
+
+
+def launch_pair_all_to_alls(plan: EPPlan, pair_meta_RC: torch.Tensor, counts_PW: torch.Tensor) -> IncomingPairs:
+    """Send this rank's pair metadata [R, C] to the pairs' destinations, one async all-to-all per chunk."""
+    meta_QC = pair_meta_RC.new_empty(plan.num_recv_pairs, pair_meta_RC.shape[1])
+    pending = Pending()
+    for c in range(plan.num_chunks):
+        s0, s1 = plan.chunk_range("send_pairs", c)
+        r0, r1 = plan.chunk_range("recv_pairs", c)
+        out_splits, in_splits = plan.recv_pairs[c], plan.send_pairs[c]
+        pending.add(all_to_all(meta_QC[r0:r1], pair_meta_RC[s0:s1], out_splits, in_splits, plan.group, True))
+    return IncomingPairs(pending, meta_QC, counts_PW)
+
+
+def _metadata_builder(device: torch.device):
+    """The kernels' Triton metadata on CUDA (4 launches, same results as PyTorch's), PyTorch's elsewhere."""
+    if device.type == "cuda":
+        try:
+            from ..kernels.triton import compute_metadata_triton
+
+            return compute_metadata_triton
+        except ImportError:  # no Triton: PyTorch's ops (same contract)
+            pass
+    return compute_metadata_torch
+
+
+def recv_rows_keys_torch(
+    meta_QC: torch.Tensor,
+    counts_PW: torch.Tensor,
+    *,
+    rank,
+    world_size,
+    num_local_experts,
+    num_chunks,
+    pair_base,
+    num_recv_rows,
+    by_source=False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row_Q, key_Q, token_offsets) int32 of the received pairs with PyTorch ops: the reference of (and the
+    CPU path for) the one-launch Triton kernel ``triton_recv.py`` (its docstring defines them)."""
+    N, P, L, device = num_chunks, world_size, num_local_experts, counts_PW.device
+    Q, U = meta_QC.shape[0], num_recv_rows
+    cols = rank + P * torch.arange(N, device=device)  # column of (chunk c, destination = this rank)
+    recv_rows_NP = counts_PW[:, cols].t().reshape(-1)  # [(chunk, source)] rows received
+    recv_pairs_NP = counts_PW[:, pair_base + cols].t().reshape(-1)
+    seg_Q = torch.repeat_interleave(torch.arange(N * P, device=device), recv_pairs_NP, output_size=Q)
+    seg_row0 = torch.cumsum(recv_rows_NP, 0) - recv_rows_NP  # first receive row of each (chunk, source)
+    row_Q = meta_QC[:, 0].long() + seg_row0[seg_Q]  # row in the whole receive buffer (non-decreasing)
+    group_Q = seg_Q if by_source else torch.div(seg_Q, P, rounding_mode="floor")  # (chunk, source) or chunk
+    key_Q = group_Q * L + meta_QC[:, 1].long()
+    token_offsets = torch.searchsorted(row_Q, torch.arange(U + 1, device=device, dtype=torch.int64))
+    return row_Q.int(), key_Q.int(), token_offsets.int()
+
+
+def _recv_rows_keys(meta_QC: torch.Tensor, counts_PW: torch.Tensor, **kw):
+    """One Triton launch on CUDA, PyTorch's ops elsewhere (same int32 results)."""
+    if counts_PW.is_cuda:
+        try:
+            from .triton_recv import ep_recv_rows_keys
+
+            return ep_recv_rows_keys(meta_QC, counts_PW, **kw)
+        except ImportError:
+            pass
+    return recv_rows_keys_torch(meta_QC, counts_PW, **kw)
+
+
+def recv_metadata(plan: EPPlan, incoming: IncomingPairs, pair_base: int) -> list[RoutingMetadata]:
+    """Per stage, RoutingMetadata of the stage's received pairs over the L local experts (rows index that
+    stage's slice of the receive buffer). Built ONCE for all stages -- experts (stage, local expert), i.e.
+    N*L (chunk mode) or N*P*L (by source) of them, so stage i's expert-sorted rows are exactly its pair
+    range -- then shifted per stage (5 int32 ops a stage). ``pair_base``: the column of the first pair count
+    in ``incoming.counts_PW``."""
+    L, S = plan.num_local_experts, plan.num_stages
+    row_Q, key_Q, token_offsets = _recv_rows_keys(
+        incoming.meta_QC(),
+        incoming.counts_PW,
+        rank=plan.rank,
+        world_size=plan.world_size,
+        num_local_experts=L,
+        num_chunks=plan.num_chunks,
+        pair_base=pair_base,
+        num_recv_rows=plan.num_recv_rows,
+        by_source=plan.by_source,
+    )
+    meta = _metadata_builder(incoming.counts_PW.device)(row_Q, key_Q, token_offsets, S * L)
+    if S == 1:
+        return [meta]
+    out = []
+    for i in range(S):
+        q0, q1 = plan.recv_pair_range(i)
+        u0, u1 = plan.recv_row_range(i)
+        # the stage's experts: (chunk, source) segment c * P + source by source, chunk c otherwise
+        c, _, src = plan.stage_peers(i)
+        g = c if src is None else c * plan.world_size + src
+        out.append(
+            RoutingMetadata(
+                expert_offsets=meta.expert_offsets[g * L : (g + 1) * L + 1] - q0,
+                x_gather_idx=meta.x_gather_idx[q0:q1] - u0,
+                s_scatter_idx=meta.s_scatter_idx[q0:q1] - q0,
+                s_reverse_scatter_idx=meta.s_reverse_scatter_idx[q0:q1] - q0,
+                token_offsets=meta.token_offsets[u0 : u1 + 1] - q0,
+            )
+        )
+    return out

@@ -1,0 +1,90 @@
+"""The plan's sizes: ONE all-gather of a fixed-size int64 vector per rank and ONE host copy of it -- the plan's
+host sync. It carries this rank's validation header (``validation.py``) and its per (chunk, destination) send
+row and pair counts; every rank reads everyone's, so it knows its send AND receive split sizes (host ints, as
+``all_to_all_single`` needs) and every rank raises the same error for bad input anywhere in the group.
+
+Shape legend (as ``send_side.py``): H = ``validation.HEADER_LEN`` header fields; the counts are sized for
+``validation.MAX_CHUNKS`` chunks, so ranks that pass different ``num_chunks`` still exchange equal sizes (the
+header check then raises instead of a collective size mismatch): W = 2 * MAX_CHUNKS * P columns, row counts at
+c * P + destination, pair counts at ``PAIR_BASE(P)`` + c * P + destination.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import validation as V
+from .comm import all_gather
+from .send_side import SendSide
+
+
+def pair_base(world_size: int) -> int:
+    """Column of the first pair count in the counts part [P, W] of the exchange."""
+    return V.MAX_CHUNKS * world_size
+
+
+@dataclass
+class SplitSizes:
+    """Host split sizes [N][P] of this rank and the device copy of everyone's counts (receive metadata)."""
+
+    send_rows: list[list[int]]
+    send_pairs: list[list[int]]
+    recv_rows: list[list[int]]
+    recv_pairs: list[list[int]]
+    counts_PW: torch.Tensor  # int64 [P, W] on the device: no host-to-device copy for the receive side
+
+
+def counts_slot(side: SendSide | None, world_size: int, num_chunks: int, device) -> list[torch.Tensor]:
+    """This rank's counts [W] as pieces to concatenate: zeros without a send side (bad input, or rounding
+    still to come), else rows_NP and pairs_NP each padded to MAX_CHUNKS chunks."""
+    P = world_size
+    if side is None:
+        return [torch.zeros(2 * V.MAX_CHUNKS * P, dtype=torch.int64, device=device)]
+    pad = torch.zeros((V.MAX_CHUNKS - num_chunks) * P, dtype=torch.int64, device=device)
+    return [side.rows_NP, pad, side.pairs_NP, pad]
+
+
+def exchange_header_and_counts(
+    header: list[torch.Tensor],
+    counts: list[torch.Tensor],
+    *,
+    local_error: str | None,
+    group,
+    num_experts: int,
+    before_sync: Callable[[], object] | None,
+) -> tuple[list[list[int]], torch.Tensor]:
+    """The all-gather of every rank's header + counts, ``before_sync`` while it travels, the host copy, and the
+    header check (raises the same ``EPInputError`` on every rank). Returns (counts [P][W] host ints, the same
+    counts [P, W] on the device)."""
+    gathered_dev = all_gather(torch.cat([*header, *counts]), group)
+    if before_sync is not None:
+        before_sync()
+    gathered = gathered_dev.tolist()  # the host sync
+    V.check_headers([g[: V.HEADER_LEN] for g in gathered], local_error, group, num_experts)
+    return [g[V.HEADER_LEN :] for g in gathered], gathered_dev[:, V.HEADER_LEN :]
+
+
+def exchange_counts(counts: list[torch.Tensor], group) -> tuple[list[list[int]], torch.Tensor]:
+    """The counts alone (after rounding changed the pairs): all-gather + host copy."""
+    counts_dev = all_gather(torch.cat(counts), group)
+    return counts_dev.tolist(), counts_dev
+
+
+def split_sizes(counts_host: list[list[int]], counts_PW: torch.Tensor, *, rank: int, num_chunks: int) -> SplitSizes:
+    """This rank's send split sizes (its own counts) and receive split sizes (everyone's counts for it), [N][P]."""
+    P, N, base = len(counts_host), num_chunks, pair_base(len(counts_host))
+
+    def split(src: int, c: int, pairs: bool) -> list[int]:
+        o = (base if pairs else 0) + c * P
+        return counts_host[src][o : o + P]
+
+    return SplitSizes(
+        send_rows=[split(rank, c, False) for c in range(N)],
+        send_pairs=[split(rank, c, True) for c in range(N)],
+        recv_rows=[[split(src, c, False)[rank] for src in range(P)] for c in range(N)],
+        recv_pairs=[[split(src, c, True)[rank] for src in range(P)] for c in range(N)],
+        counts_PW=counts_PW,
+    )
