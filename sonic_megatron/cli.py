@@ -40,6 +40,7 @@ BENCHMARKS = {
     "experts": "one GPU's experts: ours vs sonic-moe, torch._grouped_mm MoE, cuBLAS bmm bound",
     "dispatch": "expert-parallel dispatch/combine: bytes on the wire and a2a GB/s vs Megatron's alltoall",
     "layer": "MoE layer fwd+bwd under EP: ours vs Megatron alltoall + torch._grouped_mm experts",
+    "breakdown": "the Megatron MoE layer vs the bare kernels on one GPU, per phase, and vs a grouped-GEMM MoELayer",
     "train": "GPT-MoE training tokens/s/GPU and peak memory: plugin spec vs grouped-GEMM baseline (and stock)",
     "e2e": "Megatron-LM's pretrain_gpt.py per provider (plugin, grouped-GEMM baseline, ...): ms/iter, memory, loss",
 }

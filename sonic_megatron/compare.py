@@ -47,7 +47,12 @@ def build_pair(case: Case, device: torch.device):
     from .layer import SonicMoELayer
     from .spec import moe_submodules_of, sonic_moe_spec
 
-    config = moe_config(**case.overrides)
+    overrides = dict(case.overrides)
+    if case.dtype == torch.float64:
+        # float64 cases must agree to 1e-12: the router too (fp32 logits would differ at fp32 rounding between
+        # SonicRouter's fused top-K kernel and TopKRouter's torch ops; the kernel takes no float64).
+        overrides.setdefault("moe_router_dtype", "fp64")
+    config = moe_config(**overrides)
     stock_submodules = moe_submodules_of(_stock_spec())
     stock = MoELayer(config, copy.deepcopy(stock_submodules))
     sonic_spec = sonic_moe_spec(stock_submodules, case.sonic)

@@ -60,6 +60,13 @@ class LocalPlan:
             return TopKRouting(scores, self.routing.indices_TK)
         return dataclasses.replace(self.routing, scores_R=scores)
 
+    def cloned(self) -> LocalPlan:
+        """A copy owning its index tensors (Megatron's 1F1B EP-overlap schedule frees the router's outputs)."""
+        r = self.routing
+        if isinstance(r, TopKRouting):
+            return LocalPlan(TopKRouting(r.scores_TK, r.indices_TK.clone()))
+        return LocalPlan(dataclasses.replace(r, token_idx_R=r.token_idx_R.clone(), expert_idx_R=r.expert_idx_R.clone()))
+
 
 class SonicTokenDispatcher(MoETokenDispatcher):
     """Megatron dispatcher protocol over ``token_dispatch`` (see the module docstring)."""

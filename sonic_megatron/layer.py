@@ -133,6 +133,8 @@ class SonicMoELayer(MoELayer):
             # The schedule frees the "moe_dispatch" node's inputs after its forward; ours would alias the
             # pre-MLP norm output (also read by shared experts' backward) and the routed probs.
             x, scores = x.clone(), scores.clone()
+            if isinstance(self.token_dispatcher.plan, LocalPlan):  # its indices are the router's outputs
+                self.token_dispatcher.plan = self.token_dispatcher.plan.cloned()
         return x, scores
 
     @property
@@ -151,6 +153,8 @@ class SonicMoELayer(MoELayer):
         x_recv, _, scores_recv = disp.dispatch_postprocess(hidden_states, probs)
         plan = disp.plan
         if isinstance(plan, LocalPlan):  # EP = 1: the experts on the routing itself, no plan, no copies
+            if self._freed_by_1f1b_schedule:  # the experts cache x for backward
+                x_recv = x_recv.clone()
             return self.experts.compute(x_recv, plan.with_scores(scores_recv)), None
         if isinstance(plan, PipelinedPlan):  # dispatch + experts + combine in one pipelined call
             out = expert_parallel_experts(

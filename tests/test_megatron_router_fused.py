@@ -31,8 +31,8 @@ FALLBACK_CASES = {"sigmoid_bias": dict(moe_router_score_function="sigmoid", moe_
 def _run(opts, dtype, fused_expected):
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from sonic_megatron.router import SonicRouter, as_topk
     from sonic_megatron.megatron_compat import default_pg_collection
+    from sonic_megatron.router import SonicRouter, as_topk
     from sonic_megatron.testing import moe_config
 
     S, B, H = 24, 3, 32

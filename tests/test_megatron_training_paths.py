@@ -94,8 +94,13 @@ def _worker(rank, world, out_dir):
         g = torch.randn(12, 2, 32, generator=gen, dtype=torch.float64)
         lay.train()
         out, dx = _run(lay, x, g)
-        counts = [torch.diff(m.expert_offsets).tolist() for m in lay.token_dispatcher.plan.recv_meta]
-        per_expert = [sum(c[e] for c in counts) for e in range(len(counts[0]))]
+        plan = lay.token_dispatcher.plan
+        if ep == 1:  # no plan: the experts read the rounded (padded) routing directly
+            E, exp_R = lay.config.num_moe_experts, plan.routing.expert_idx_R
+            per_expert = torch.bincount(exp_R[exp_R < E], minlength=E).tolist()
+        else:
+            counts = [torch.diff(m.expert_offsets).tolist() for m in plan.recv_meta]
+            per_expert = [sum(c[e] for c in counts) for e in range(len(counts[0]))]
         lay.eval()
         stock.eval()
         with torch.no_grad():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sonic_megatron.kernels import FlatRouting, TopKRouting, moe_experts
 from sonic_megatron.token_dispatch import TokenRounding, round_local, round_routing
 from sonic_megatron.token_dispatch.rounding import rounded_pairs_bound

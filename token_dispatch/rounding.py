@@ -232,27 +232,28 @@ def round_local(
     f_E = routed_TE.sum(0)
     delta_E = _targets(f_E, torch.full_like(f_E, T), rounding) - f_E
     k = min(M, T)
-    token_T1 = torch.arange(T, device=device).unsqueeze(1)
-    # Drop candidates: the k lowest routed scores per expert (ties: the lower token first, as a stable sort).
+    # Keys [E, T] (contiguous along tokens: one top-k per expert row). A key orders like (score, token) and
+    # never ties, so top-k's result is the stable sort's prefix: ties go to the lower token, as the reference.
+    routed_ET = routed_TE.t()
+    token_1T = torch.arange(T, device=device).unsqueeze(0)
     routed_scores_TE = torch.zeros(T, E, dtype=scores_TK.dtype, device=device).scatter(1, idx_TK, scores_TK)
-    drop_key_TE = torch.where(routed_TE, _ordered_key(routed_scores_TE) | token_T1, torch.iinfo(torch.int64).max)
-    drop_tok_kE = torch.topk(drop_key_TE, k, dim=0, largest=False, sorted=True).indices
-    # Add candidates: the k highest dense scores among non-routed tokens (ties: the lower token first).
-    add_key_TE = torch.where(
-        routed_TE, torch.iinfo(torch.int64).min, _ordered_key(rounding_scores_TE) | ((1 << 32) - 1 - token_T1)
-    )
-    add_tok_kE = torch.topk(add_key_TE, k, dim=0, largest=True, sorted=True).indices
-    rank_k1 = torch.arange(k, device=device).unsqueeze(1)
-    expert_kE = torch.arange(E, device=device).expand(k, E)
+    int64 = torch.iinfo(torch.int64)
+    # Drop candidates: the k lowest routed scores per expert.
+    drop_key_ET = torch.where(routed_ET, _ordered_key(routed_scores_TE.t()) | token_1T, int64.max)
+    drop_tok_Ek = torch.topk(drop_key_ET, k, dim=1, largest=False, sorted=True).indices
+    # Add candidates: the k highest dense scores among non-routed tokens.
+    add_key_ET = torch.where(routed_ET, int64.min, _ordered_key(rounding_scores_TE.t()) | ((1 << 32) - 1 - token_1T))
+    add_tok_Ek = torch.topk(add_key_ET, k, dim=1, largest=True, sorted=True).indices
+    rank_1k = torch.arange(k, device=device).unsqueeze(0)
+    expert_Ek = torch.arange(E, device=device).unsqueeze(1).expand(E, k)
+    true = torch.ones((), dtype=torch.bool, device=device)  # a fill, not a host-to-device copy (which would wait)
 
-    def mark(tok_kE: torch.Tensor, n_E: torch.Tensor) -> torch.Tensor:
-        rows = torch.where(rank_k1 < n_E, tok_kE, T)  # unselected candidates go to the spare row T
-        return torch.zeros(T + 1, E, dtype=torch.bool, device=device).index_put_(
-            (rows, expert_kE), torch.tensor(True, device=device)
-        )[:T]
+    def mark(tok_Ek: torch.Tensor, n_E: torch.Tensor) -> torch.Tensor:
+        rows = torch.where(rank_1k < n_E.unsqueeze(1), tok_Ek, T)  # unselected candidates go to the spare row T
+        return torch.zeros(T + 1, E, dtype=torch.bool, device=device).index_put_((rows, expert_Ek), true)[:T]
 
-    drop_TE = mark(drop_tok_kE, (-delta_E).clamp(min=0))
-    add_TE = mark(add_tok_kE, delta_E.clamp(min=0))
+    drop_TE = mark(drop_tok_Ek, (-delta_E).clamp(min=0))
+    add_TE = mark(add_tok_Ek, delta_E.clamp(min=0))
     final_TE = (routed_TE & ~drop_TE) | add_TE
     bound = rounded_pairs_bound(T * K, T, E, M)
     pairs_R2 = torch.nonzero_static(final_TE, size=bound, fill_value=-1)  # token-major, like nonzero()

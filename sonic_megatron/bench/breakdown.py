@@ -1,0 +1,221 @@
+"""``python -m sonic_megatron bench breakdown``: the Megatron MoE layer against the bare kernels it wraps, on
+one GPU (expert-parallel size 1), per phase.
+
+Rows, all fwd+bwd of the same tokens in the same process (bf16, SwiGLU, top-K softmax router with fp32 logits
+and Megatron's aux loss):
+    kernels            the router GEMM (fp32) + fused top-K softmax + ``moe_experts``: what the layer wraps
+    router             ``SonicRouter`` alone (the layer's route step, aux loss included)
+    rounding           ``round_local`` alone (forward; token rounding decided on the device)
+    experts            ``SonicExperts.compute`` alone on the router's top-K
+    plugin             ``SonicMoELayer`` (the plugin spec's layer)
+    plugin+rounding    the same with ``token_rounding="nearest"``
+    grouped            stock ``MoELayer`` + Megatron's alltoall dispatcher + grouped-GEMM experts
+                       (``sonic_megatron.baseline``: TEGroupedMLP where Transformer Engine imports)
+Per row: step ms (CUDA events around the call, median and spread over ``--iters`` calls), host ms (CPU time to
+issue the call; a step whose host ms reaches its step ms is host-bound), peak memory, and ratios to ``kernels``
+and to ``grouped``. Configs: ``qwen3`` = (T 16384, hidden 2048, ffn 768, 128 experts, top-8), ``sparse`` = (T
+16384, hidden 2048, ffn 512, 256 experts, top-8), or ``T,d,n,E,K``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+CONFIGS = {"qwen3": (16384, 2048, 768, 128, 8), "sparse": (16384, 2048, 512, 256, 8)}
+ROWS = ("kernels", "router", "rounding", "experts", "plugin", "plugin+rounding", "grouped")
+
+
+def _config(text: str) -> tuple[int, ...]:
+    if text in CONFIGS:
+        return CONFIGS[text]
+    parts = text.split(",")
+    if len(parts) != 5 or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"--config must be one of {sorted(CONFIGS)} or T,d,n,E,K; got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
+def _rows(text: str) -> list[str]:
+    rows = [r.strip() for r in text.split(",") if r.strip()]
+    bad = [r for r in rows if r not in ROWS]
+    if bad or not rows:
+        raise argparse.ArgumentTypeError(f"--rows must be a comma-separated subset of {ROWS}; got {text!r}")
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=_config, action="append", help="qwen3 | sparse | T,d,n,E,K (repeatable)")
+    parser.add_argument("--rows", type=_rows, default=list(ROWS), help=f"rows to run, from {','.join(ROWS)}")
+    parser.add_argument("--iters", type=int, default=20, help="timed calls per row (after 3 warm-up calls)")
+    parser.add_argument("--seq", type=int, default=4096, help="sequence length; batch = T / seq")
+
+
+def _timed(fn, iters: int, device) -> dict:
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    events, host = [], []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize(device)
+    ms = sorted(s.elapsed_time(e) for s, e in events)
+    return {
+        "ms": statistics.median(ms),
+        "ms_min": ms[0],
+        "ms_max": ms[-1],
+        "host_ms": statistics.median(host),
+        "peak_mib": (torch.cuda.max_memory_allocated(device) - base) / 2**20,
+    }
+
+
+def _layers(cfg, device, seq: int):
+    """(plugin, plugin with rounding, grouped baseline) with the same router and expert weights."""
+    import torch
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from ..baseline import grouped_experts_builder
+    from ..config import SonicConfig
+    from ..layer import SonicMoELayer
+    from ..megatron_compat import accepted_kwargs, default_pg_collection
+    from ..testing import moe_config
+
+    T, d, n, E, K = cfg
+    config = moe_config(
+        hidden_size=d,
+        ffn_hidden_size=4 * d,
+        moe_ffn_hidden_size=n,
+        num_attention_heads=16,
+        num_moe_experts=E,
+        moe_router_topk=K,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-2,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        use_cpu_initialization=False,
+    )
+    pgs = default_pg_collection()
+    plugin = SonicMoELayer(config, pg_collection=pgs, sonic_config=SonicConfig())
+    rounded = SonicMoELayer(config, pg_collection=pgs, sonic_config=SonicConfig(token_rounding="nearest"))
+    submodules = MoESubmodules(experts=grouped_experts_builder(), router=TopKRouter)
+    grouped = MoELayer(
+        **accepted_kwargs(MoELayer.__init__, dict(config=config, submodules=submodules, pg_collection=pgs))
+    )
+    with torch.no_grad():
+        for other in (rounded, grouped):
+            other.router.weight.copy_(plugin.router.weight)
+        rounded.experts.weight1.copy_(plugin.experts.weight1)
+        rounded.experts.weight2.copy_(plugin.experts.weight2)
+    return [m.to(device).train() for m in (plugin, rounded, grouped)]
+
+
+def _layer_step(layer, x, g):
+    def step():
+        out, _ = layer(x)
+        out.backward(g)
+        layer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def run_config(cfg, rows, iters: int, seq: int, device) -> list[dict]:
+    import torch
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from ..kernels import TopKRouting, moe_experts
+    from ..kernels.triton.topk_softmax import topk_softmax
+    from ..token_dispatch import TokenRounding, round_local
+
+    T, d, n, E, K = cfg
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=device))
+    plugin, rounded, grouped = _layers(cfg, device, seq)
+    torch.manual_seed(0)
+    x = torch.randn(seq, T // seq, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+    x_TD, g_TD = x.detach().view(-1, d).requires_grad_(), g.view(-1, d)
+    w_r = plugin.router.weight.detach().requires_grad_()
+    w1 = plugin.experts.weight1.detach().requires_grad_()
+    w2 = plugin.experts.weight2.detach().requires_grad_()
+
+    def kernels():
+        logits = torch.nn.functional.linear(x_TD.float(), w_r.float())
+        scores, idx = topk_softmax(logits, K)
+        out = moe_experts(x_TD, TopKRouting(scores, idx), w1, w2)
+        out.backward(g_TD)
+
+    def router():
+        plugin.router.emit_topk = True
+        scores, _ = plugin.router(x)
+        scores.sum().backward()
+
+    with torch.no_grad():
+        logits = torch.nn.functional.linear(x_TD.float(), w_r.float())
+        dense = torch.softmax(logits, -1)
+        scores, idx = topk_softmax(logits, K)
+
+    def rounding():
+        round_local(TopKRouting(scores, idx), dense, num_experts=E, rounding=TokenRounding("nearest", 128))
+
+    def experts():
+        out = plugin.experts.compute(x_TD, TopKRouting(scores, idx))
+        out.backward(g_TD)
+
+    fns = {
+        "kernels": kernels,
+        "router": router,
+        "rounding": rounding,
+        "experts": experts,
+        "plugin": _layer_step(plugin, x, g),
+        "plugin+rounding": _layer_step(rounded, x, g),
+        "grouped": _layer_step(grouped, x, g),
+    }
+    out = []
+    for name in rows:
+        print(f"  {name} ...", flush=True)
+        res = {"config": ",".join(map(str, cfg)), "row": name, **_timed(fns[name], iters, device)}
+        out.append(res)
+    by = {r["row"]: r["ms"] for r in out}
+    for r in out:
+        r["x_kernels"] = r["ms"] / by["kernels"] if "kernels" in by else None
+        r["x_grouped"] = by["grouped"] / r["ms"] if "grouped" in by else None  # speedup over the baseline
+    return out
+
+
+def run(args) -> int:
+    import torch
+
+    from ..testing import free_port, init_distributed, init_model_parallel
+    from .common import environment, print_table, write_json
+
+    if not torch.cuda.is_available():
+        print("bench breakdown needs a CUDA GPU (it times the Megatron layer against the GPU kernels)")
+        return 2
+    if args.iters < 1:
+        print(f"--iters must be >= 1, got {args.iters}")
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    if not torch.distributed.is_initialized():
+        init_distributed(0, 1, port=free_port())
+    init_model_parallel(ep=1)
+    configs = args.config or [CONFIGS["qwen3"]]
+    results = []
+    for cfg in configs:
+        if cfg[0] % args.seq:
+            print(f"--seq {args.seq} must divide T = {cfg[0]}")
+            return 2
+        print(f"config (T,d,n,E,K) = {cfg}", flush=True)
+        results += run_config(cfg, args.rows, args.iters, args.seq, device)
+    print_table(results, ["config", "row", "ms", "ms_min", "ms_max", "host_ms", "peak_mib", "x_kernels", "x_grouped"])
+    write_json(args.json, {"benchmark": "breakdown", "environment": environment(), "results": results})
+    return 0
