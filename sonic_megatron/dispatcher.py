@@ -127,7 +127,16 @@ class SonicTokenDispatcher(MoETokenDispatcher):
     def rounding(self) -> TokenRounding:
         return TokenRounding(mode=self.sonic.token_rounding, tile=self.sonic.rounding_tile)
 
+    def _freed_by_1f1b_schedule(self) -> bool:
+        """Megatron's 1F1B EP-overlap schedule frees each node's inputs after its forward: a pass-through
+        step must then hand on a copy, not the freed tensor (see SonicMoELayer._freed_by_1f1b_schedule)."""
+        return isinstance(self.plan, LocalPlan) and bool(
+            getattr(self.config, "overlap_moe_expert_parallel_comm", False)
+        )
+
     def token_dispatch(self, hidden_states, probs):
+        if self._freed_by_1f1b_schedule():
+            return hidden_states.clone(), probs.clone()
         if isinstance(self.plan, (PipelinedPlan, LocalPlan)):
             return hidden_states, probs
         # Dispatch the scores Megatron passed in (under the 1F1B overlap schedule: a detached copy of the
@@ -143,6 +152,8 @@ class SonicTokenDispatcher(MoETokenDispatcher):
         return hidden_states
 
     def token_combine(self, hidden_states, *args, **kwargs):
+        if self._freed_by_1f1b_schedule():
+            return hidden_states.clone()
         if isinstance(self.plan, (PipelinedPlan, LocalPlan)):
             return hidden_states
         return combine(hidden_states, self.plan)
