@@ -32,7 +32,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from .config import SonicConfig
 from .kernels import FlatRouting, TopKRouting
 from .router import as_topk
-from .token_dispatch import TokenRounding, combine, dispatch, make_plan, round_local
+from .token_dispatch import EPOptions, TokenRounding, combine, dispatch, make_plan, round_local
 
 
 @dataclass
@@ -112,10 +112,9 @@ class SonicTokenDispatcher(MoETokenDispatcher):
             TopKRouting(scores_TK, idx_TK),
             num_experts=self.num_experts,
             group=self.group,
-            rounding=rounding,
             rounding_scores_TE=dense_probs_TE,
-            num_chunks=self.sonic.num_chunks,
             x_TD=x_TH,
+            options=EPOptions(rounding=rounding, num_chunks=self.sonic.num_chunks),
         )
         # The routing actually used (after rounding), with autograd to the router's probs.
         return x_TH, self.plan.scores_R

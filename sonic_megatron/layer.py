@@ -25,6 +25,8 @@ only the experts are Sonic. Unsupported Megatron options fail here, at construct
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -34,7 +36,7 @@ from .experts import SonicExperts
 from .kernels import TopKRouting
 from .megatron_compat import accepted_kwargs, default_pg_collection
 from .router import SonicRouter
-from .token_dispatch import expert_parallel_experts, local_experts
+from .token_dispatch import EPOptions, expert_parallel_experts, local_experts
 
 
 def default_submodules(sonic_config: SonicConfig | None = None) -> MoESubmodules:
@@ -146,6 +148,21 @@ class SonicMoELayer(MoELayer):
         a freed node boundary and are still needed later get a private copy."""
         return bool(getattr(self.config, "overlap_moe_expert_parallel_comm", False))
 
+    def _ep_options(self) -> EPOptions:
+        """token_dispatch's options of this layer (SonicConfig's and the experts'), built once: they are fixed
+        after construction, and the layer's host time counts."""
+        if getattr(self, "_ep_options_cached", None) is None:
+            self._ep_options_cached = EPOptions(
+                activation=self.experts.activation,
+                backend=self.sonic.backend,
+                num_chunks=self.sonic.num_chunks,
+                by_source=self.sonic.by_source,
+                comm_sms=self.sonic.comm_sms,
+                redispatch_x_in_backward=self.sonic.redispatch_x_in_backward,
+                wgrad=self.experts.wgrad.ep_deferred,
+            )
+        return self._ep_options_cached
+
     def routed_experts_compute(self, hidden_states, probs):
         if not self._sonic_dispatch:
             return super().routed_experts_compute(hidden_states, probs)
@@ -164,15 +181,10 @@ class SonicMoELayer(MoELayer):
                 self.experts.weight2,
                 group=disp.group,
                 num_experts=disp.num_experts,
-                activation=self.experts.activation,
-                backend=self.sonic.backend,
-                rounding=disp.rounding() if plan.dense_probs_TE is not None else None,
                 rounding_scores_TE=plan.dense_probs_TE,
-                num_chunks=self.sonic.num_chunks,
-                by_source=self.sonic.by_source,
-                comm_sms=self.sonic.comm_sms,
-                redispatch_x_in_backward=self.sonic.redispatch_x_in_backward,
-                wgrad=self.experts.wgrad.ep_deferred,
+                options=dataclasses.replace(
+                    self._ep_options(), rounding=disp.rounding() if plan.dense_probs_TE is not None else None
+                ),
             )
             disp.plan = PipelinedPlan(plan.indices_TK, None)  # combine passes through; drop the dense probs
             return out, None
@@ -184,9 +196,7 @@ class SonicMoELayer(MoELayer):
             self.experts.weight1,
             self.experts.weight2,
             disp.plan,
-            activation=self.experts.activation,
-            backend=self.sonic.backend,
-            wgrad=self.experts.wgrad.ep_deferred,
+            options=self._ep_options(),
             # Under the 1F1B EP overlap another micro-batch's all-to-all runs beside this node's GEMMs.
             comm_sms=self.sonic.comm_sms if self._freed_by_1f1b_schedule else 0,
         )

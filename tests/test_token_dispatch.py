@@ -594,3 +594,52 @@ def test_local_experts_comm_sms_same_results_and_checked():
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
     with pytest.raises(ValueError, match="local_experts: comm_sms must be an int >= 0, got -1"):
         local_experts(xr, sr, w1, w2, plan, backend="torch", comm_sms=-1)
+
+
+def test_options_validated_once_frozen_and_keywords_override():
+    """EPOptions rejects a bad field naming it, the expected and the given value (bools are no ints, ints no
+    bools), is frozen, and a front-end's keywords override ``options``' fields: the same bits either way."""
+    import dataclasses
+
+    from sonic_megatron.token_dispatch import EPInputError, EPOptions
+
+    bad = [
+        ("num_chunks", True, r"num_chunks must be an int in \[1, 16\], got True"),
+        ("num_chunks", 17, r"num_chunks must be an int in \[1, 16\], got 17"),
+        ("by_source", 1, "by_source must be a bool, got 1"),
+        ("overlap", None, "overlap must be a bool, got None"),
+        ("redispatch_x_in_backward", "yes", "redispatch_x_in_backward must be a bool"),
+        ("comm_sms", False, "comm_sms must be an int >= 0, got False"),
+        ("comm_sms", -1, "comm_sms must be an int >= 0, got -1"),
+        ("backend", "x", r"backend must be one of \('auto', 'torch', 'cute'\), got 'x'"),
+        ("sm_reservation", "some", r"sm_reservation must be one of \('auto', 'all'\), got 'some'"),
+        ("activation", "tanh", "activation must be one of"),
+        ("rounding", "up", "rounding must be a TokenRounding or None, got str"),
+        ("wgrad", object(), "wgrad must be a DeferredWeightGrad or None, got object"),
+    ]
+    for name, value, msg in bad:
+        with pytest.raises(EPInputError, match="EPOptions: " + msg):
+            EPOptions(**{name: value})
+    opts = EPOptions(num_chunks=2, backend="torch")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.num_chunks = 3
+    case = global_case("random", 1, seed=3)
+    results = []
+    for kw in (
+        dict(options=opts),
+        dict(num_chunks=2, backend="torch"),
+        dict(options=EPOptions(), num_chunks=2, backend="torch"),
+    ):
+        off, T, x, logits, w1, w2 = _leaves(case, 0, 1, torch.float64)
+        out = expert_parallel_experts(x, build_routing(case, logits, off, T), w1, w2, num_experts=case["E"], **kw)
+        out.backward(case["grad"])
+        results.append([out.detach(), x.grad, logits.grad, w1.grad, w2.grad])
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r, strict=True))
+    off, T, x, logits, w1, w2 = _leaves(case, 0, 1, torch.float64)
+    routing = build_routing(case, logits, off, T)
+    with pytest.raises(TypeError, match=r"expert_parallel_experts: unexpected keyword argument\(s\) \['chunks'\]"):
+        expert_parallel_experts(x, routing, w1, w2, num_experts=case["E"], chunks=2)
+    with pytest.raises(TypeError, match="options must be an EPOptions or None, got dict"):
+        make_plan(routing, num_experts=case["E"], options={"num_chunks": 2})
+    with pytest.raises(EPInputError, match="make_plan: num_chunks must be an int"):
+        make_plan(routing, num_experts=case["E"], options=opts, num_chunks=0)

@@ -190,6 +190,12 @@ def test_bad_comm_sms_or_sm_reservation():
     _, fwd = ep_forward(x, build_routing(a, logits, off, T), w1, w2, **kw)
     with pytest.raises(ValueError, match="ep_forward_backward: sm_reservation must be one of"):
         ep_forward_backward(fwd, a["grad"], x, build_routing(a, logits, off, T), w1, w2, sm_reservation=1, **kw)
+    from sonic_megatron.token_dispatch import DeferredWeightGrad, EPInputError, EPOptions
+
+    with pytest.raises(EPInputError, match="ep_forward: wgrad must be None"):
+        ep_forward(x, build_routing(a, logits, off, T), w1, w2, options=EPOptions(wgrad=DeferredWeightGrad()), **kw)
+    with pytest.raises(EPInputError, match="ep_forward: by_source must be False"):
+        ep_forward(x, build_routing(a, logits, off, T), w1, w2, by_source=True, **kw)
 
 
 def test_bad_state_or_gradient():

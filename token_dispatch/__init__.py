@@ -1,19 +1,19 @@
 """Expert-parallel dispatch and combine for SonicMoE's experts (knows torch.distributed, not Megatron).
 
-One call (training or eval)::
+One call (training or eval); the settings travel as one frozen ``EPOptions`` (or as its fields, by keyword)::
 
-    from sonic_megatron.token_dispatch import expert_parallel_experts, TokenRounding
+    from sonic_megatron.token_dispatch import EPOptions, TokenRounding, expert_parallel_experts
+    opts = EPOptions(rounding=TokenRounding("nearest", 128), num_chunks=1, by_source=False, comm_sms=0,
+                     redispatch_x_in_backward=False, wgrad=None)
     out_TD = expert_parallel_experts(x_TD, routing, w1_EGD, w2_EDF, group=ep_group, num_experts=E,
-                                     rounding=TokenRounding("nearest", 128), rounding_scores_TE=probs_TE,
-                                     num_chunks=1, by_source=False, comm_sms=0,
-                                     redispatch_x_in_backward=False, wgrad=None)
+                                     rounding_scores_TE=probs_TE, options=opts)
 
 Step-wise, for Megatron's method split (each step its own autograd node, linked only by tensors)::
 
-    plan = make_plan(routing, num_experts=E, group=ep_group, rounding=..., rounding_scores_TE=...,
-                     x_TD=x_TD)                        # one small all-gather + one host copy (split sizes)
+    plan = make_plan(routing, num_experts=E, group=ep_group, rounding_scores_TE=..., x_TD=x_TD,
+                     options=opts)                     # one small all-gather + one host copy (split sizes)
     x_recv, scores_recv = dispatch(x_TD, plan)         # each token once per destination rank
-    y_recv = local_experts(x_recv, scores_recv, w1, w2, plan, activation=..., backend=..., wgrad=...)
+    y_recv = local_experts(x_recv, scores_recv, w1, w2, plan, options=opts)
     out_TD = combine(y_recv, plan)                     # one row per (token, rank) back; fixed-order sum
 
 Two micro-batches interleaved (the forward of B with the backward of A: each one's all-to-alls travel while
@@ -23,24 +23,28 @@ the other one's kernels run; functional, gradients returned; ``interleave.py``):
     out_B, fwd_B, grads_A = ep_forward_backward(fwd_A, dout_A, x_B, routing_B, w1, w2, group=ep_group, num_experts=E)
 
 Refinements of the team contract (all contract names work as specified):
-  * ``make_plan`` also takes ``num_chunks``, ``by_source`` (stages per (chunk, source rank)) and, optionally,
-    ``x_TD``, ``w1_EGD``, ``w2_EDF``,
-    ``activation``: given, they are checked on every rank and compared across ranks in the plan's header
-    exchange (a mismatch raises ``EPInputError`` on all ranks instead of hanging in an all-to-all).
+  * ``make_plan`` also takes ``options`` (it reads ``rounding``, ``num_chunks``, ``by_source``: stages per
+    (chunk, source rank), ``activation``) and, optionally, ``x_TD``, ``w1_EGD``, ``w2_EDF``: given, they are
+    checked on every rank and compared across ranks in the plan's header exchange (a mismatch raises
+    ``EPInputError`` on all ranks instead of hanging in an all-to-all).
   * ``expert_parallel_experts(..., return_plan=True)`` also returns the ``EPPlan``.
-  * ``DeferredWeightGrad``: pass as ``wgrad=``; ``wgrad.compute()`` runs the deferred dW GEMMs.
+  * ``DeferredWeightGrad(sink=...)``: pass as ``EPOptions.wgrad``; ``wgrad.compute()`` runs the deferred dW GEMMs
+    and hands each result to the sink (default: ``.grad``).
   * ``round_routing`` (rounding alone; ``group=None`` is the single-process reference) and
     ``RoundingResult`` are exported for tests and for routers that want the decision.
-  * Bad input raises ``EPInputError`` (a ``ValueError``) on every rank of the group.
+  * Bad input, bad options included, raises ``EPInputError`` (a ``ValueError``) on every rank of the group.
   * ``redispatch_x_in_backward`` applies to ``expert_parallel_experts``; in the step-wise form
     ``local_experts`` caches the received rows.
-Modules: comm (collectives), validation (header), rounding, plan, exchange (row movement), stepwise,
-layer (pipelined single node), interleave (micro-batches), wgrad, launch_count (host-work counter of
-`bench layer --count-ops`).
+Modules: options (``EPOptions``), engine (one micro-batch's forward and backward steps: plan, dispatch,
+experts, combine), front-ends layer (one autograd node), stepwise (Megatron's method split), interleave (two
+micro-batches); plan (``EPPlan``/``make_plan``, decides rounding) from send_side (+ triton_send), sizes (the
+one counts exchange) and recv_side (+ triton_recv); rounding, exchange (row movement), comm (collectives),
+validation (header), wgrad (deferral), launch_count (host-work counter of ``bench layer --count-ops``).
 """
 
 from .interleave import EPForward, EPGrads, ep_backward, ep_forward, ep_forward_backward
 from .layer import expert_parallel_experts
+from .options import EPOptions
 from .plan import EPPlan, make_plan
 from .rounding import ROUNDING_MODES, RoundingResult, TokenRounding, round_local, round_routing
 from .stepwise import combine, dispatch, local_experts
@@ -53,6 +57,7 @@ __all__ = [
     "EPForward",
     "EPGrads",
     "EPInputError",
+    "EPOptions",
     "EPPlan",
     "RoundingResult",
     "TokenRounding",

@@ -29,17 +29,14 @@ The results equal ``expert_parallel_experts`` + ``backward`` bitwise (tests/test
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..kernels.interface import resolve_backend
 from ..kernels.routing import FlatRouting, TopKRouting
-from .layer import _backward_steps, _forward_steps, _free_sms, _Saved, record_function, run_steps
-from .plan import EPPlan, make_plan
-from .rounding import TokenRounding
-from .validation import check_comm_sms, check_sm_reservation
+from . import engine as G
+from .options import EPOptions, parse_options
+from .plan import EPPlan
 
 
 @dataclass
@@ -48,12 +45,10 @@ class EPForward:
 
     plan: EPPlan
     ops: object
-    activation: str
-    saved: _Saved
+    options: EPOptions
+    saved: G.Saved
     w1_EGD: torch.Tensor
     w2_EDF: torch.Tensor
-    comm_sms: int
-    sm_reservation: str = "auto"
 
 
 @dataclass
@@ -69,16 +64,14 @@ class EPGrads:
 def _backward(fwd: EPForward, grad_TD: torch.Tensor, concurrent: bool):
     """fwd's backward steps; ``concurrent``: its GEMMs run beside another micro-batch's all-to-alls."""
     scores = fwd.plan.scores_R
-    free_sms = _free_sms(fwd.plan, fwd.comm_sms, not fwd.saved.eager, concurrent, fwd.sm_reservation)
-    return _backward_steps(
+    return G.backward_steps(
         grad_TD,
-        dataclasses.replace(fwd.saved, free_sms=free_sms),
+        replace(fwd.saved, free_sms=G.free_sms(fwd.plan, fwd.options, concurrent)),
         fwd.w1_EGD,
         fwd.w2_EDF,
         fwd.plan,
         fwd.ops,
-        fwd.activation,
-        None,
+        fwd.options,
         (True, True, True),
         (scores.shape, scores.dtype),
         gather_first=concurrent,  # interleaved: the dO all-to-all goes out inside the next micro-batch's plan
@@ -95,37 +88,26 @@ def _check_backward_args(fwd, grad_TD, name: str) -> None:
         raise ValueError(f"the output gradient of {name} must be a tensor of shape {want} (its output's), got {got}")
 
 
-# The keyword arguments of ep_forward and ep_forward_backward, as _forward_with reads them.
-_OPTION_NAMES = (
-    "group",
-    "num_experts",
-    "activation",
-    "backend",
-    "rounding",
-    "rounding_scores_TE",
-    "num_chunks",
-    "comm_sms",
-    "redispatch_x_in_backward",
-    "overlap",
-    "sm_reservation",
-)
+def _interleaved_options(caller: str, options: EPOptions | None, option_kw: dict) -> tuple[EPOptions, str | None]:
+    """The options of ``caller``, or an error for the plan to raise on every rank: the gradients are returned
+    (no ``wgrad``), and the interleaved schedule runs token chunks (no ``by_source``)."""
+    opts, error = parse_options(caller, options, option_kw)
+    if error is None and opts.wgrad is not None:
+        error = f"{caller}: wgrad must be None (the weight gradients are returned in EPGrads), got {opts.wgrad!r}"
+    if error is None and opts.by_source:
+        error = f"{caller}: by_source must be False (the interleaved schedule pipelines token chunks), got True"
+    return opts, error
 
 
-def _options(arguments: dict) -> dict:
-    """The options out of ``locals()`` taken first thing in ep_forward / ep_forward_backward."""
-    return {name: arguments[name] for name in _OPTION_NAMES}
-
-
-def _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, o: dict):
+def _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, caller, group, num_experts, scores_TE, kw):
     """This micro-batch's forward, with ``prev``'s backward interleaved when ``prev`` is given:
-    (out_TD, EPForward, prev's EPGrads or None). ``o``: the keyword arguments of ``ep_forward``."""
-    caller = "ep_forward" if prev is None else "ep_forward_backward"
-    check_comm_sms(o["comm_sms"], caller)
-    check_sm_reservation(o["sm_reservation"], caller)
-    ops = resolve_backend(o["backend"], x_TD.device)  # before prev's collectives go out
+    (out_TD, EPForward, prev's EPGrads or None). ``kw``: ``options`` and the option keywords of ``caller``."""
+    opts, error = _interleaved_options(caller, kw.pop("options", None), kw)
+    # before prev's collectives go out; with an error the plan raises (on every rank)
+    ops = G.experts_ops(opts, x_TD.device) if error is None else None
     bwd, launch_prev = None, None
     if prev is not None:  # checked by ep_forward_backward
-        bwd = _backward(prev, grad_prev_TD, concurrent=True)  # prev's GEMMs leave prev.comm_sms SMs free
+        bwd = _backward(prev, grad_prev_TD, concurrent=True)  # prev's GEMMs leave prev's comm_sms SMs free
         with torch.no_grad():
             next(bwd)  # prev's dO send rows gathered (GPU work queued before this micro-batch's plan)
 
@@ -137,35 +119,23 @@ def _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, o: dict):
                 next(bwd)
 
     # The plan outside no_grad: its scores_R keeps the autograd link to the router (EPGrads.dscores_R's target).
-    with record_function("ep.plan"):
-        plan = make_plan(
-            routing,
-            num_experts=o["num_experts"],
-            group=o["group"],
-            rounding=o["rounding"],
-            rounding_scores_TE=o["rounding_scores_TE"],
-            num_chunks=o["num_chunks"],
-            x_TD=x_TD,
-            w1_EGD=w1_EGD,
-            w2_EDF=w2_EDF,
-            activation=o["activation"],
-            before_sync=launch_prev,
-        )
-    fwd = _forward_steps(
-        x_TD.contiguous(),
-        w1_EGD,
-        w2_EDF,
-        plan,
-        ops,
-        o["activation"],
-        overlap=o["overlap"],
-        free_sms=_free_sms(plan, o["comm_sms"], o["overlap"], bwd is not None, o["sm_reservation"]),
-        store_h=True,
-        redispatch=o["redispatch_x_in_backward"],
+    plan = G.plan_call(
+        routing,
+        opts,
+        num_experts=num_experts,
+        group=group,
+        rounding_scores_TE=scores_TE,
+        x_TD=x_TD,
+        w1_EGD=w1_EGD,
+        w2_EDF=w2_EDF,
+        options_error=error,
+        before_sync=launch_prev,
     )
+    free = G.free_sms(plan, opts, concurrent=bwd is not None)
+    fwd = G.forward_steps(x_TD.contiguous(), w1_EGD, w2_EDF, plan, ops, opts, free=free, store_h=True)
     with torch.no_grad():
-        (out_TD, saved), grads = _alternate(fwd, bwd) if bwd is not None else (run_steps(fwd), None)
-    state = EPForward(plan, ops, o["activation"], saved, w1_EGD, w2_EDF, o["comm_sms"], o["sm_reservation"])
+        (out_TD, saved), grads = G.alternate(fwd, bwd) if bwd is not None else (G.run_steps(fwd), None)
+    state = EPForward(plan, ops, opts, saved, w1_EGD, w2_EDF)
     return out_TD, state, None if grads is None else EPGrads(*grads)
 
 
@@ -177,25 +147,21 @@ def ep_forward(
     *,
     group=None,
     num_experts: int,
-    activation: str = "swiglu",
-    backend: str = "auto",
-    rounding: TokenRounding | None = None,
     rounding_scores_TE: torch.Tensor | None = None,
-    num_chunks: int = 1,
-    comm_sms: int = 0,
-    redispatch_x_in_backward: bool = False,
-    overlap: bool = True,
-    sm_reservation: str = "auto",
+    options: EPOptions | None = None,
+    **option_kw,
 ) -> tuple[torch.Tensor, EPForward]:
     """The expert-parallel experts forward of one micro-batch without autograd: (out_TD, state for the
     backward; it keeps H and the received rows, as the autograd path does in training). Arguments as
-    ``expert_parallel_experts`` (``comm_sms``: SMs the GEMMs leave free for the all-to-alls in flight), and
-    ``sm_reservation``: in which GEMMs of an interleaved step the ``comm_sms`` reservation applies -- "auto"
-    (default): only the first GEMM of each forward / backward-data / weight-gradient call; the second takes
-    every SM, with the cute backend's dynamic tile scheduler so that its CTAs held back by the NCCL kernel's SMs
-    cost no tail; "all": every GEMM beside a collective. Results are bitwise the same either way."""
-    options = _options(locals())
-    out_TD, state, _ = _forward_with(None, None, x_TD, routing, w1_EGD, w2_EDF, options)
+    ``expert_parallel_experts`` (options: ``EPOptions`` or its fields as keywords; not ``wgrad`` nor
+    ``by_source``). ``options.sm_reservation``: in which GEMMs of an interleaved step the ``comm_sms`` reservation
+    applies -- "auto" (default): only the first GEMM of each forward / backward-data / weight-gradient call; the
+    second takes every SM, with the cute backend's dynamic tile scheduler so that its CTAs held back by the NCCL
+    kernel's SMs cost no tail; "all": every GEMM beside a collective. Results are bitwise the same either way."""
+    kw = dict(option_kw, options=options)
+    out_TD, state, _ = _forward_with(
+        None, None, x_TD, routing, w1_EGD, w2_EDF, "ep_forward", group, num_experts, rounding_scores_TE, kw
+    )
     return out_TD, state
 
 
@@ -203,7 +169,7 @@ def ep_backward(fwd: EPForward, grad_TD: torch.Tensor) -> EPGrads:
     """The backward of ``fwd`` for the output gradient ``grad_TD``: its gradients (nothing is accumulated)."""
     _check_backward_args(fwd, grad_TD, "fwd")
     with torch.no_grad():
-        return EPGrads(*run_steps(_backward(fwd, grad_TD, concurrent=False)))
+        return EPGrads(*G.run_steps(_backward(fwd, grad_TD, concurrent=False)))
 
 
 def ep_forward_backward(
@@ -216,34 +182,27 @@ def ep_forward_backward(
     *,
     group=None,
     num_experts: int,
-    activation: str = "swiglu",
-    backend: str = "auto",
-    rounding: TokenRounding | None = None,
     rounding_scores_TE: torch.Tensor | None = None,
-    num_chunks: int = 1,
-    comm_sms: int = 0,
-    redispatch_x_in_backward: bool = False,
-    overlap: bool = True,
-    sm_reservation: str = "auto",
+    options: EPOptions | None = None,
+    **option_kw,
 ) -> tuple[torch.Tensor, EPForward, EPGrads]:
     """The backward of micro-batch ``prev`` (output gradient ``grad_prev_TD``) interleaved with the forward of
     the next micro-batch (the remaining arguments, as ``ep_forward``): (out_TD, its state, prev's gradients).
     Each one's all-to-alls are in flight while the other one's kernels run (module docstring); the GEMMs leave
     ``comm_sms`` SMs free for them. Results equal ``ep_backward(prev, ...)`` then ``ep_forward(...)``, bitwise.
     ``prev`` and this micro-batch must use the same group (the weights may differ, e.g. another layer's)."""
-    options = _options(locals())
     _check_backward_args(prev, grad_prev_TD, "prev")
-    return _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, options)
-
-
-def _alternate(first, second):
-    """Advance two step generators in turn, ``first`` first, until both end; their results (first, second)."""
-    steps, results, live = [first, second], [None, None], [True, True]
-    while any(live):
-        for k in (0, 1):
-            if live[k]:
-                try:
-                    next(steps[k])
-                except StopIteration as done:
-                    results[k], live[k] = done.value, False
-    return results[0], results[1]
+    kw = dict(option_kw, options=options)
+    return _forward_with(
+        prev,
+        grad_prev_TD,
+        x_TD,
+        routing,
+        w1_EGD,
+        w2_EDF,
+        "ep_forward_backward",
+        group,
+        num_experts,
+        rounding_scores_TE,
+        kw,
+    )

@@ -31,8 +31,9 @@ import torch
 from ..kernels.routing import FlatRouting, RoutingMetadata, TopKRouting
 from . import validation as V
 from .comm import group_fingerprint, group_rank, group_size
+from .options import EPOptions, parse_options
 from .recv_side import IncomingPairs, launch_pair_all_to_alls, recv_metadata, scores_from_columns
-from .rounding import RoundingResult, TokenRounding, round_routing
+from .rounding import RoundingResult, round_routing
 from .send_side import build_send_side, flat_routing
 from .sizes import counts_slot, exchange_counts, exchange_header_and_counts, pair_base, split_sizes
 
@@ -85,7 +86,17 @@ class EPPlan:
         the plan's pair all-to-alls: call it after launching the row all-to-alls so that both are in flight
         together."""
         if self._recv_meta is None:
-            self._recv_meta = recv_metadata(self, self._incoming, pair_base(self.world_size))
+            self._recv_meta = recv_metadata(
+                self._incoming,
+                [self._stage_slices(i) for i in range(self.num_stages)],
+                rank=self.rank,
+                world_size=self.world_size,
+                num_local_experts=self.num_local_experts,
+                num_chunks=self.num_chunks,
+                by_source=self.by_source,
+                num_recv_rows=self.num_recv_rows,
+                pair_base=pair_base(self.world_size),
+            )
         return self._recv_meta
 
     def recv_scores(self) -> torch.Tensor:
@@ -107,6 +118,13 @@ class EPPlan:
             return i, None, None
         c, k = divmod(i, self.world_size)
         return c, (self.rank + k) % self.world_size, (self.rank - k) % self.world_size
+
+    def _stage_slices(self, i: int) -> tuple[int, int, int, int, int]:
+        """(expert group, first pair, end pair, first row, end row) of stage i in the receive buffers: its
+        receive metadata's experts are group g's -- segment c * P + source by source, chunk c otherwise."""
+        c, _, src = self.stage_peers(i)
+        g = c if src is None else c * self.world_size + src
+        return (g, *self.recv_pair_range(i), *self.recv_row_range(i))
 
     def is_local_stage(self, i: int) -> bool:
         """Stage i moves only this rank's own rows (by source, k = 0): a device copy, no collective."""
@@ -188,15 +206,13 @@ def make_plan(
     *,
     num_experts: int,
     group=None,
-    rounding: TokenRounding | None = None,
     rounding_scores_TE: torch.Tensor | None = None,
-    num_chunks: int = 1,
-    by_source: bool = False,
     x_TD: torch.Tensor | None = None,
     w1_EGD: torch.Tensor | None = None,
     w2_EDF: torch.Tensor | None = None,
-    activation: str | None = None,
     before_sync: Callable[[], object] | None = None,
+    options: EPOptions | None = None,
+    **option_kw,
 ) -> EPPlan:
     """Plan one MoE layer call under expert parallelism (see the module docstring for its collectives).
 
@@ -204,42 +220,70 @@ def make_plan(
         routing: this rank's ``TopKRouting`` / ``FlatRouting`` over GLOBAL expert ids [0, E).
         num_experts: E; must be a multiple of the group size P. Rank r owns experts [r*E/P, (r+1)*E/P).
         group: the EP process group; ``None`` or size 1 means no communication.
-        rounding: tile-aware token rounding (training only; ``None`` = plain routing).
-        rounding_scores_TE: dense router probabilities [T, E]; required with ``rounding``.
-        num_chunks: split this rank's tokens into N contiguous chunks, each with its own all-to-alls.
-        by_source: also split every chunk by source rank (``EPPlan.num_stages`` = N * P stages, own rows
-            first, then a ring of point-to-point exchanges), so each stage's rows can be computed as soon as
-            they arrive. Must be equal on all ranks (checked).
-        x_TD, w1_EGD, w2_EDF, activation: optional; when given, their shapes and dtypes are validated and
-            compared across ranks in the same header exchange (recommended: a mismatch then raises on all
-            ranks instead of failing or hanging inside an all-to-all).
+        rounding_scores_TE: dense router probabilities [T, E]; required with ``options.rounding``.
+        x_TD, w1_EGD, w2_EDF: optional; when given, their shapes and dtypes are validated (w1's against
+            ``options.activation``) and compared across ranks in the same header exchange (recommended: a
+            mismatch then raises on all ranks instead of failing or hanging inside an all-to-all).
         before_sync: called once, after the first all-gather is launched and before the host waits for it,
             on every rank (also when the inputs are bad, so every rank launches the same collectives): work
             whose host cost should overlap that wait, e.g. launching another micro-batch's all-to-all. Its
             collectives queue after the all-gather; it must not wait for the GPU.
+        options, option_kw: ``EPOptions`` (keywords override its fields). The plan reads ``rounding``,
+            ``num_chunks`` (N contiguous token chunks, each with its own all-to-alls), ``by_source`` (every chunk
+            also split by source rank: ``EPPlan.num_stages`` = N * P) and ``activation``; all must be equal on
+            every rank (checked).
     """
+    opts, error = parse_options("make_plan", options, option_kw)
+    return plan_layer(
+        routing,
+        opts,
+        num_experts=num_experts,
+        group=group,
+        rounding_scores_TE=rounding_scores_TE,
+        x_TD=x_TD,
+        w1_EGD=w1_EGD,
+        w2_EDF=w2_EDF,
+        options_error=error,
+        before_sync=before_sync,
+    )
+
+
+def plan_layer(
+    routing: TopKRouting | FlatRouting,
+    options: EPOptions,
+    *,
+    num_experts: int,
+    group,
+    rounding_scores_TE: torch.Tensor | None,
+    x_TD: torch.Tensor | None,
+    w1_EGD: torch.Tensor | None,
+    w2_EDF: torch.Tensor | None,
+    options_error: str | None = None,
+    before_sync: Callable[[], object] | None = None,
+) -> EPPlan:
+    """``make_plan`` with validated options; ``options_error`` (a caller's bad option) raises on every rank."""
     P, rank = group_size(group), group_rank(group)
     T = V.routing_num_tokens(routing)
+    rounding, by_source = options.rounding, options.by_source
     # 1. route: this rank's checks (an error rides in the header, so that every rank raises it), the flat pairs
-    error = None
-    try:
-        V.check_local(
-            routing,
-            num_experts=num_experts,
-            group_size=P,
-            rounding=rounding,
-            rounding_scores_TE=rounding_scores_TE,
-            num_chunks=num_chunks,
-            by_source=by_source,
-            x_TD=x_TD,
-            w1_EGD=w1_EGD,
-            w2_EDF=w2_EDF,
-            activation=activation,
-        )
-    except (V.EPInputError, TypeError) as exc:
-        error = str(exc)
+    error = options_error
+    if error is None:
+        try:
+            V.check_local(
+                routing,
+                num_experts=num_experts,
+                group_size=P,
+                rounding=rounding,
+                rounding_scores_TE=rounding_scores_TE,
+                x_TD=x_TD,
+                w1_EGD=w1_EGD,
+                w2_EDF=w2_EDF,
+                activation=options.activation,
+            )
+        except (V.EPInputError, TypeError) as exc:
+            error = str(exc)
     device = (routing.indices_TK if isinstance(routing, TopKRouting) else routing.token_idx_R).device
-    N = num_chunks if error is None else 1
+    N = options.num_chunks if error is None else 1
     L = max(num_experts // P, 1) if error is None else 1
     stats = None
     if error is None:
@@ -253,11 +297,11 @@ def make_plan(
         group_size=P,
         fingerprint=group_fingerprint(group),
         rounding=rounding,
-        num_chunks=num_chunks,
+        num_chunks=options.num_chunks,
         by_source=by_source,
         w1_EGD=w1_EGD,
         w2_EDF=w2_EDF,
-        activation=activation,
+        activation=options.activation,
         top_k=routing.indices_TK.shape[-1] if isinstance(routing, TopKRouting) else -1,
         index_stats=stats,
         device=device,
@@ -310,5 +354,7 @@ def make_plan(
         by_source=by_source,
     )
     # 5. receive side: the pair metadata leaves now, not waited for (``plan.recv_meta`` waits on first use)
-    plan._incoming = launch_pair_all_to_alls(plan, side.pair_meta_RC, sizes.counts_PW)
+    plan._incoming = launch_pair_all_to_alls(
+        side.pair_meta_RC, sizes.send_pairs, sizes.recv_pairs, sizes.counts_PW, group
+    )
     return plan

@@ -9,15 +9,10 @@ from the device copy of the plan's counts exchange (``sizes.py``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from ..kernels.routing import RoutingMetadata, compute_metadata_torch
 from .comm import Pending, all_to_all
-
-if TYPE_CHECKING:
-    from .plan import EPPlan
 
 
 def scores_from_columns(cols_QC: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -39,15 +34,18 @@ class IncomingPairs:
         return self._meta_QC
 
 
-def launch_pair_all_to_alls(plan: EPPlan, pair_meta_RC: torch.Tensor, counts_PW: torch.Tensor) -> IncomingPairs:
-    """Send this rank's pair metadata [R, C] to the pairs' destinations, one async all-to-all per chunk."""
-    meta_QC = pair_meta_RC.new_empty(plan.num_recv_pairs, pair_meta_RC.shape[1])
+def launch_pair_all_to_alls(
+    pair_meta_RC: torch.Tensor, send_pairs: list[list[int]], recv_pairs: list[list[int]], counts_PW: torch.Tensor, group
+) -> IncomingPairs:
+    """Send this rank's pair metadata [R, C] to the pairs' destinations, one async all-to-all per chunk
+    (``send_pairs`` / ``recv_pairs``: the plan's host split sizes [N][P])."""
+    meta_QC = pair_meta_RC.new_empty(sum(map(sum, recv_pairs)), pair_meta_RC.shape[1])
     pending = Pending()
-    for c in range(plan.num_chunks):
-        s0, s1 = plan.chunk_range("send_pairs", c)
-        r0, r1 = plan.chunk_range("recv_pairs", c)
-        out_splits, in_splits = plan.recv_pairs[c], plan.send_pairs[c]
-        pending.add(all_to_all(meta_QC[r0:r1], pair_meta_RC[s0:s1], out_splits, in_splits, plan.group, True))
+    s0 = r0 = 0
+    for out_splits, in_splits in zip(recv_pairs, send_pairs, strict=True):
+        s1, r1 = s0 + sum(in_splits), r0 + sum(out_splits)
+        pending.add(all_to_all(meta_QC[r0:r1], pair_meta_RC[s0:s1], out_splits, in_splits, group, True))
+        s0, r0 = s1, r1
     return IncomingPairs(pending, meta_QC, counts_PW)
 
 
@@ -103,41 +101,46 @@ def _recv_rows_keys(meta_QC: torch.Tensor, counts_PW: torch.Tensor, **kw):
     return recv_rows_keys_torch(meta_QC, counts_PW, **kw)
 
 
-def recv_metadata(plan: EPPlan, incoming: IncomingPairs, pair_base: int) -> list[RoutingMetadata]:
+def recv_metadata(
+    incoming: IncomingPairs,
+    stages: list[tuple[int, int, int, int, int]],
+    *,
+    rank: int,
+    world_size: int,
+    num_local_experts: int,
+    num_chunks: int,
+    by_source: bool,
+    num_recv_rows: int,
+    pair_base: int,
+) -> list[RoutingMetadata]:
     """Per stage, RoutingMetadata of the stage's received pairs over the L local experts (rows index that
     stage's slice of the receive buffer). Built ONCE for all stages -- experts (stage, local expert), i.e.
     N*L (chunk mode) or N*P*L (by source) of them, so stage i's expert-sorted rows are exactly its pair
-    range -- then shifted per stage (5 int32 ops a stage). ``pair_base``: the column of the first pair count
-    in ``incoming.counts_PW``."""
-    L, S = plan.num_local_experts, plan.num_stages
+    range -- then shifted per stage (5 int32 ops a stage). ``stages``: per stage (its expert group g: chunk, or
+    (chunk, source) segment by source; its pairs [q0, q1) and rows [u0, u1) in the receive buffers).
+    ``pair_base``: the column of the first pair count in ``incoming.counts_PW``."""
+    L = num_local_experts
     row_Q, key_Q, token_offsets = _recv_rows_keys(
         incoming.meta_QC(),
         incoming.counts_PW,
-        rank=plan.rank,
-        world_size=plan.world_size,
+        rank=rank,
+        world_size=world_size,
         num_local_experts=L,
-        num_chunks=plan.num_chunks,
+        num_chunks=num_chunks,
         pair_base=pair_base,
-        num_recv_rows=plan.num_recv_rows,
-        by_source=plan.by_source,
+        num_recv_rows=num_recv_rows,
+        by_source=by_source,
     )
-    meta = _metadata_builder(incoming.counts_PW.device)(row_Q, key_Q, token_offsets, S * L)
-    if S == 1:
+    meta = _metadata_builder(incoming.counts_PW.device)(row_Q, key_Q, token_offsets, len(stages) * L)
+    if len(stages) == 1:
         return [meta]
-    out = []
-    for i in range(S):
-        q0, q1 = plan.recv_pair_range(i)
-        u0, u1 = plan.recv_row_range(i)
-        # the stage's experts: (chunk, source) segment c * P + source by source, chunk c otherwise
-        c, _, src = plan.stage_peers(i)
-        g = c if src is None else c * plan.world_size + src
-        out.append(
-            RoutingMetadata(
-                expert_offsets=meta.expert_offsets[g * L : (g + 1) * L + 1] - q0,
-                x_gather_idx=meta.x_gather_idx[q0:q1] - u0,
-                s_scatter_idx=meta.s_scatter_idx[q0:q1] - q0,
-                s_reverse_scatter_idx=meta.s_reverse_scatter_idx[q0:q1] - q0,
-                token_offsets=meta.token_offsets[u0 : u1 + 1] - q0,
-            )
+    return [
+        RoutingMetadata(
+            expert_offsets=meta.expert_offsets[g * L : (g + 1) * L + 1] - q0,
+            x_gather_idx=meta.x_gather_idx[q0:q1] - u0,
+            s_scatter_idx=meta.s_scatter_idx[q0:q1] - q0,
+            s_reverse_scatter_idx=meta.s_reverse_scatter_idx[q0:q1] - q0,
+            token_offsets=meta.token_offsets[u0 : u1 + 1] - q0,
         )
-    return out
+        for g, q0, q1, u0, u1 in stages
+    ]

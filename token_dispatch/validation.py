@@ -75,22 +75,17 @@ def check_local(
     group_size: int,
     rounding,
     rounding_scores_TE: torch.Tensor | None,
-    num_chunks: int,
     x_TD: torch.Tensor | None,
     w1_EGD: torch.Tensor | None,
     w2_EDF: torch.Tensor | None,
     activation: str | None,
-    by_source: bool = False,
 ) -> None:
-    """Raise EPInputError naming the argument, the expected and the actual value (this rank only)."""
+    """Raise EPInputError naming the argument, the expected and the actual value (this rank only). The options
+    (chunks, by_source, the activation's name, ...) were validated by ``EPOptions``."""
     if not isinstance(num_experts, int) or num_experts < 1:
         fail("num_experts", "a positive int", num_experts)
     if num_experts % group_size:
         fail("num_experts", f"a multiple of the EP group size P = {group_size}", num_experts)
-    if not isinstance(num_chunks, int) or not 1 <= num_chunks <= MAX_CHUNKS:
-        fail("num_chunks", f"an int in [1, {MAX_CHUNKS}]", num_chunks)
-    if not isinstance(by_source, bool):
-        fail("by_source", "a bool", repr(by_source))
     if isinstance(routing, TopKRouting):
         s, idx = routing.scores_TK, routing.indices_TK
         if idx.dtype not in INDEX_DTYPES:
@@ -261,18 +256,3 @@ def index_stats(token_idx_R: torch.Tensor, expert_idx_R: torch.Tensor, num_token
         return [lo, hi, 0]
     t = token_idx_R.long()
     return [lo, hi, (t.min() < 0) | (t.max() >= num_tokens) | (t[1:] < t[:-1]).any()]
-
-
-def check_comm_sms(comm_sms, caller: str) -> None:
-    """``comm_sms`` (SMs the GEMMs leave free for collectives in flight) must be an int >= 0."""
-    if not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or comm_sms < 0:
-        raise ValueError(f"{caller}: comm_sms must be an int >= 0, got {comm_sms!r}")
-
-
-SM_RESERVATIONS = ("auto", "all")  # ep_forward's sm_reservation policies (layer._free_sms)
-
-
-def check_sm_reservation(value, caller: str) -> None:
-    """``sm_reservation`` must be one of SM_RESERVATIONS."""
-    if value not in SM_RESERVATIONS:
-        raise ValueError(f"{caller}: sm_reservation must be one of {SM_RESERVATIONS}, got {value!r}")

@@ -115,7 +115,7 @@ def run(args) -> int:
         )
         return 2
     from ..token_dispatch import make_plan
-    from ..token_dispatch.stepwise import _all_rows  # the dispatch all-to-all of all chunks
+    from ..token_dispatch.engine import all_rows  # the dispatch all-to-all of all chunks
 
     device, group = setup_distributed(args)
     rank, P = dist.get_rank(), dist.get_world_size()
@@ -137,7 +137,7 @@ def run(args) -> int:
 
     # Timed token all-to-alls: ours (dedup rows) and Megatron's split sizes (one row per pair).
     x_send = x.index_select(0, plan.send_token_idx_S)
-    t_ours = timed(lambda: _all_rows(plan, x_send), device, args.warmup, args.iters)
+    t_ours = timed(lambda: all_rows(plan, x_send), device, args.warmup, args.iters)
     send_counts = torch.bincount(dest.reshape(-1), minlength=P)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)

@@ -111,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from ..kernels import TopKRouting
-    from ..token_dispatch import ep_forward, ep_forward_backward, expert_parallel_experts, make_plan
+    from ..token_dispatch import EPOptions, ep_forward, ep_forward_backward, expert_parallel_experts, make_plan
 
     device, group = setup_distributed(args)
     rank, P = dist.get_rank(), dist.get_world_size()
@@ -140,11 +140,9 @@ def run(args) -> int:
                 w2,
                 group=group,
                 num_experts=E,
-                backend=args.backend,
-                num_chunks=chunks,
-                by_source=kind == "s",
-                comm_sms=comm_sms,
-                overlap=overlap,
+                options=EPOptions(
+                    backend=args.backend, num_chunks=chunks, by_source=kind == "s", comm_sms=comm_sms, overlap=overlap
+                ),
             )
             out.backward(grad)
             return out
@@ -154,8 +152,10 @@ def run(args) -> int:
     def interleaved(chunks, overlap, comm_sms, reservation):
         """A call: the forward of a micro-batch with the backward of the previous one (the first call also
         runs the first forward). Same tokens every time; gradients accumulate into .grad as autograd's do."""
-        kw = dict(group=group, num_experts=E, backend=args.backend, num_chunks=chunks, comm_sms=comm_sms)
-        kw.update(overlap=overlap, sm_reservation=reservation)
+        opts = EPOptions(
+            backend=args.backend, num_chunks=chunks, comm_sms=comm_sms, overlap=overlap, sm_reservation=reservation
+        )
+        kw = dict(group=group, num_experts=E, options=opts)
         state = []
 
         def fn():
@@ -176,7 +176,7 @@ def run(args) -> int:
 
     sched_list = [parse_schedule(c) for c in args.chunks.split(",") if c.strip()]
     sms_list = [int(v) for v in args.comm_sms.split(",") if v.strip()]
-    from ..token_dispatch.validation import SM_RESERVATIONS
+    from ..token_dispatch.options import SM_RESERVATIONS
 
     policies = [v.strip() for v in args.sm_reservation.split(",") if v.strip()]
     if not policies or any(v not in SM_RESERVATIONS for v in policies):
@@ -189,9 +189,8 @@ def run(args) -> int:
     if args.count_ops:
 
         def layer_call(chunks):
-            return expert_parallel_experts(
-                x, routing, w1, w2, group=group, num_experts=E, backend=args.backend, num_chunks=chunks
-            )
+            opts = EPOptions(backend=args.backend, num_chunks=chunks)
+            return expert_parallel_experts(x, routing, w1, w2, group=group, num_experts=E, options=opts)
 
         def plan_call(chunks):
             return make_plan(
@@ -201,8 +200,7 @@ def run(args) -> int:
                 x_TD=x,
                 w1_EGD=w1,
                 w2_EDF=w2,
-                activation="swiglu",
-                num_chunks=chunks,
+                options=EPOptions(activation="swiglu", num_chunks=chunks),
             )
 
         rows = count_ops(layer_call, plan_call, grad, chunk_list)

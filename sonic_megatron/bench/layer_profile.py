@@ -117,13 +117,13 @@ class _RegionOps:
 
 def count_ops(layer_call, plan_call, grad, chunk_list) -> list[dict]:
     """This rank's host-work counts of ours per chunk count (see the module docstring)."""
-    from ..token_dispatch import layer as layer_mod
+    from ..token_dispatch import engine as engine_mod
     from ..token_dispatch.launch_count import LaunchCounter
 
     rows = []
-    resolve = layer_mod.resolve_backend
+    resolve = engine_mod.resolve_backend
     holder: list = [None]  # the counter that the experts' calls report to (forward, then backward)
-    layer_mod.resolve_backend = lambda *a, **k: _RegionOps(resolve(*a, **k), holder)
+    engine_mod.resolve_backend = lambda *a, **k: _RegionOps(resolve(*a, **k), holder)
     try:
         for chunks in chunk_list:
             holder[0] = LaunchCounter()
@@ -155,5 +155,5 @@ def count_ops(layer_call, plan_call, grad, chunk_list) -> list[dict]:
                 )
             )
     finally:
-        layer_mod.resolve_backend = resolve
+        engine_mod.resolve_backend = resolve
     return rows

@@ -55,10 +55,10 @@ def a2a_alone(plan, x, device):
     plan's pair-metadata all-to-all, which is part of the plan, not timed here.)"""
     from ..token_dispatch import exchange as X
     from ..token_dispatch.comm import Pending
-    from ..token_dispatch.stepwise import _all_rows, _all_rows_back
+    from ..token_dispatch.engine import all_rows, all_rows_back
 
     send = x.index_select(0, plan.send_token_idx_S)
-    recv = _all_rows(plan, send)
+    recv = all_rows(plan, send)
     s_send = torch.zeros(plan.send_pair_idx.numel(), dtype=torch.float32, device=device)
     s_recv = s_send.new_empty(plan.num_recv_pairs)
 
@@ -69,10 +69,10 @@ def a2a_alone(plan, x, device):
         pend.wait()
 
     def fn():
-        _all_rows(plan, send)  # forward dispatch
-        _all_rows_back(plan, recv)  # forward combine
-        _all_rows(plan, send)  # backward dO
-        _all_rows_back(plan, recv)  # backward dX
+        all_rows(plan, send)  # forward dispatch
+        all_rows_back(plan, recv)  # forward combine
+        all_rows(plan, send)  # backward dO
+        all_rows_back(plan, recv)  # backward dX
         scores_back()
 
     return fn
