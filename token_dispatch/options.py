@@ -99,6 +99,8 @@ def _merged(caller: str, options: EPOptions | None, overrides: dict) -> dict:
 def resolve_options(caller: str, options: EPOptions | None, overrides: dict) -> EPOptions:
     """``options`` (default ``EPOptions()``) with the keyword ``overrides``; a bad value raises ``EPInputError``
     here, naming ``caller`` (for front-ends that do not plan, e.g. ``local_experts``)."""
+    if not overrides and isinstance(options, EPOptions):  # validated when it was built: nothing to redo per call
+        return options
     values = _merged(caller, options, overrides)
     problem = _problem(values)
     if problem is not None:
@@ -109,6 +111,8 @@ def resolve_options(caller: str, options: EPOptions | None, overrides: dict) -> 
 def parse_options(caller: str, options: EPOptions | None, overrides: dict) -> tuple[EPOptions, str | None]:
     """As ``resolve_options``, but a bad value is returned as a message next to the default options, for the
     plan to raise on every rank (its header exchange) instead of here on one."""
+    if not overrides and isinstance(options, EPOptions):  # validated when it was built: nothing to redo per call
+        return options, None
     values = _merged(caller, options, overrides)
     problem = _problem(values)
     if problem is not None:
