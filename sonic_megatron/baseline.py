@@ -30,6 +30,7 @@ from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .checkpoint import drop_extra_state_keys, stacked_experts_sharded_state_dict
+from .experts import init_stacked_weights
 from .megatron_compat import accepted_kwargs, default_pg_collection, expert_rng_context, experts_are_built_by_call
 
 _CPU_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -53,33 +54,10 @@ class GroupedMMExperts(MegatronModule):
         _check_supported(config)
         if pg_collection is None:
             pg_collection = default_pg_collection()
-        self.num_local_experts = num_local_experts
         self.gated = bool(config.gated_linear_unit)
-        self.ep_group = pg_collection.ep
-        self.dp_group = pg_collection.expt_dp
-        self.tp_group = pg_collection.expt_tp
-        etp = self.tp_group.size() if self.tp_group is not None else 1
-        if etp != 1:
-            raise ValueError(f"GroupedMMExperts: expert tensor parallelism is not supported (expt_tp size {etp})")
-        hidden = config.hidden_size
-        ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size
-        fc1_rows = 2 * ffn if self.gated else ffn
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        self.weight1 = torch.nn.Parameter(
-            torch.empty(num_local_experts, fc1_rows, hidden, dtype=config.params_dtype, device=device)
-        )
-        self.weight2 = torch.nn.Parameter(
-            torch.empty(num_local_experts, hidden, ffn, dtype=config.params_dtype, device=device)
-        )
+        init_stacked_weights(self, config, num_local_experts, pg_collection, self.gated)
         if config.perform_initialization:
             self._init_weights()
-        for p, dim in ((self.weight1, 1), (self.weight2, 2)):
-            # Expert parameters are reduced over the expert-data-parallel group (allreduce=False, as
-            # megatron-core 0.19 marks every expert linear); TP attributes as expert linears at expert-TP 1.
-            p.allreduce = False
-            p.tensor_model_parallel = True
-            p.partition_dim = dim
-            p.partition_stride = 1
         self.register_load_state_dict_post_hook(drop_extra_state_keys)
 
     @torch.no_grad()

@@ -31,6 +31,38 @@ from .megatron_compat import default_pg_collection, expert_rng_context
 from .wgrad import WeightGradSink
 
 
+def init_stacked_weights(module, config, num_local_experts: int, pg_collection, gated: bool) -> None:
+    """The stacked expert parameters every experts module of this package keeps (``weight1`` [El, G, H], fc1
+    with GLU rows ``[gate ; up]``; ``weight2`` [El, H, F], fc2), uninitialised, with the process groups and the
+    parameter attributes of Megatron's expert linears. Expert tensor parallelism is refused."""
+    name = type(module).__name__
+    module.num_local_experts = num_local_experts
+    module.ep_group = pg_collection.ep
+    module.dp_group = pg_collection.expt_dp
+    module.tp_group = pg_collection.expt_tp
+    etp = module.tp_group.size() if module.tp_group is not None else 1
+    if etp != 1:
+        raise ValueError(f"{name}: expert tensor parallelism is not supported (expt_tp size {etp})")
+    hidden = config.hidden_size
+    ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size
+    fc1_rows = 2 * ffn if gated else ffn
+    device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+    module.weight1 = torch.nn.Parameter(
+        torch.empty(num_local_experts, fc1_rows, hidden, dtype=config.params_dtype, device=device)
+    )
+    module.weight2 = torch.nn.Parameter(
+        torch.empty(num_local_experts, hidden, ffn, dtype=config.params_dtype, device=device)
+    )
+    for p, dim in ((module.weight1, 1), (module.weight2, 2)):
+        # Expert parameters: reduced over the expert-data-parallel group by DDP/optimizer/clipping
+        # (allreduce=False, as megatron-core marks every expert linear); TP attributes as Megatron's expert
+        # linears at expert-TP 1.
+        p.allreduce = False
+        p.tensor_model_parallel = True
+        p.partition_dim = dim
+        p.partition_stride = 1
+
+
 class SonicExperts(MegatronModule):
     """Stacked local experts computed by the Sonic kernels.
 
@@ -60,33 +92,9 @@ class SonicExperts(MegatronModule):
         self.sonic_config = SonicConfig.resolve(sonic_config)
         self.activation = kernels_activation(config)
         self.gated = is_gated(self.activation)
-        self.num_local_experts = num_local_experts
-        self.ep_group = pg_collection.ep
-        self.dp_group = pg_collection.expt_dp
-        self.tp_group = pg_collection.expt_tp
-        etp = self.tp_group.size() if self.tp_group is not None else 1
-        if etp != 1:
-            raise ValueError(f"SonicExperts: expert tensor parallelism is not supported (expt_tp size {etp})")
-        hidden = config.hidden_size
-        ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size
-        fc1_rows = 2 * ffn if self.gated else ffn
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        self.weight1 = torch.nn.Parameter(
-            torch.empty(num_local_experts, fc1_rows, hidden, dtype=config.params_dtype, device=device)
-        )
-        self.weight2 = torch.nn.Parameter(
-            torch.empty(num_local_experts, hidden, ffn, dtype=config.params_dtype, device=device)
-        )
+        init_stacked_weights(self, config, num_local_experts, pg_collection, self.gated)
         if config.perform_initialization:
             self._init_weights()
-        for p, dim in ((self.weight1, 1), (self.weight2, 2)):
-            # Expert parameters: reduced over the expert-data-parallel group by DDP/optimizer/clipping
-            # (allreduce=False, as PR #6601 does at every EP size); TP attributes as Megatron's expert
-            # linears at expert-TP 1.
-            p.allreduce = False
-            p.tensor_model_parallel = True
-            p.partition_dim = dim
-            p.partition_stride = 1
         self.__init_wgrad__()
         self.register_load_state_dict_post_hook(drop_extra_state_keys)
 
