@@ -3,7 +3,7 @@
 # its *summary*.json files, and the updated compile cache (cutecache.tgz, when small). Restores a compile cache
 # left in .cutecache/cutecache.tgz first, so that a pass on a fresh machine starts warm.
 #
-#   source .devbundle/setup.sh; bash scripts/device_pass.sh ep python3 scripts/gpu_ep.py
+#   bash scripts/device_pass.sh ep python3 scripts/gpu_ep.py
 set -uo pipefail
 name=$1; shift
 final=${OUT:-$PWD/out}

@@ -3,7 +3,7 @@
 ``bench dispatch`` (EP=4) and ``bench layer`` (EP=4, EP=2, and EP=4 at 4x the tokens) at per-rank
 (T,d,n,E,K) = (16384,1536,256,128,8).
 
-    source .devbundle/setup.sh; python scripts/gpu_ep.py            # logs + JSON under $OUT (default ./out)
+    python scripts/gpu_ep.py            # logs + JSON under $OUT (default ./out)
 
 Each step runs as its own torchrun with a time limit; a failing or timed-out step is reported in
 $OUT/gpu_ep_summary.json and the next step still runs. The whole pass stays under TOTAL_S (default 470 s).

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The Megatron-integration GPU pass on one host with 4 GPUs (megatron-core >= 0.19):
 
-    source .devbundle/setup.sh; python scripts/gpu_megatron.py      # logs + JSON under $OUT (default ./out)
+    python scripts/gpu_megatron.py      # logs + JSON under $OUT (default ./out)
 
 Steps in this order (each its own subprocess with a time limit; a failure or timeout is recorded in
 $OUT/gpu_megatron_summary.json and the next step still runs; the pass stays under TOTAL_S, default 470 s,
