@@ -11,8 +11,8 @@ Two ways in:
   dispatchers (``SonicConfig.dispatcher='megatron'``), by the stock ``MoELayer`` and by tests.
 * ``compute(x_TD, routing)``: a kernels routing over local expert ids (each token once, its experts'
   outputs summed); used by ``SonicMoELayer``'s own dispatch path.
-Weight gradients go through ``self.wgrad`` (a ``WeightGradSink``): main_grad fusion when Megatron's DDP
-uses ``gradient_accumulation_fusion``, and deferral to ``backward_dw()`` with ``delay_wgrad_compute``.
+Weight gradients go through ``self.wgrad`` (a ``WeightGradSink``): added into Megatron DDP's ``main_grad`` by
+the GEMMs themselves wherever DDP allocated it, and deferred to ``backward_dw()`` with ``delay_wgrad_compute``.
 Selective recompute of ``moe_act`` and activation offloading of ``expert_fc1``/``moe_act`` are not needed:
 the Sonic kernels cache only X and H (never the activation or the gathered tokens).
 """
@@ -70,7 +70,7 @@ class SonicExperts(MegatronModule):
         num_local_experts: experts on this EP rank (El).
         config: Megatron TransformerConfig (``hidden_size``, ``moe_ffn_hidden_size``, activation, dtypes,
             ``use_cpu_initialization``, ``perform_initialization``, ``init_method``,
-            ``output_layer_init_method``, ``gradient_accumulation_fusion``, ``delay_wgrad_compute``).
+            ``output_layer_init_method``, ``delay_wgrad_compute``).
         submodules: accepted and ignored (Megatron's expert specs pass MLP submodules).
         pg_collection: process groups (``ep``, ``expt_dp``, ``expt_tp``); Megatron's defaults if None.
         sonic_config: plugin options (only ``backend`` is used here); env overrides apply.
@@ -99,14 +99,12 @@ class SonicExperts(MegatronModule):
         self.register_load_state_dict_post_hook(drop_extra_state_keys)
 
     def __init_wgrad__(self) -> None:
-        """(Re)build the weight-gradient sink from ``config.delay_wgrad_compute`` and
-        ``config.gradient_accumulation_fusion``."""
+        """(Re)build the weight-gradient sink from ``config.delay_wgrad_compute``."""
         delay = bool(getattr(self.config, "delay_wgrad_compute", False))
         for p in (self.weight1, self.weight2):
             p.skip_backward_post_hook = delay
         self.wgrad = WeightGradSink(
             (self.weight1, self.weight2),
-            fuse_main_grad=bool(getattr(self.config, "gradient_accumulation_fusion", False)),
             delay=delay,
         )
         if delay:

@@ -1,13 +1,17 @@
-"""Where expert weight gradients go: autograd's ``.grad``, Megatron DDP's ``main_grad`` (with
-``gradient_accumulation_fusion``), now or later (``delay_wgrad_compute`` → ``backward_dw()``).
+"""Where expert weight gradients go: autograd's ``.grad`` or Megatron DDP's ``main_grad``, now or later
+(``delay_wgrad_compute`` → ``backward_dw()``).
 
 Shape legend: see ``kernels/routing.py``.
 
 Megatron's contract, mirrored here:
-* fused accumulation: the gradient is added into ``param.main_grad`` (by the weight-gradient GEMMs themselves,
-  ``compute(out=main_grads)``, when both weights have a contiguous ``main_grad``),
-  ``param.grad_added_to_main_grad`` is set, and autograd receives a dummy tensor so that DDP's per-parameter
-  hook still fires (it skips the add because of the flag) -- exactly what Megatron's own linear layers do;
+* fused accumulation: where DDP gave both weights a contiguous ``main_grad``, the weight-gradient GEMMs add into
+  it themselves (``compute(out=main_grads)``: fp32 accumulation in the epilogue, no bf16 gradient, no add
+  kernel), ``param.grad_added_to_main_grad`` is set, and autograd receives a dummy tensor so that DDP's
+  per-parameter hook still fires (it skips the add because of the flag) -- what Megatron's own linear layers do
+  under ``gradient_accumulation_fusion``. That flag selects Megatron's fused-GEMM extension (apex / Transformer
+  Engine) for its linear layers; the experts' GEMMs accumulate natively, so they fuse whatever it says. (At
+  EP > 1 the sonic dispatcher's engine returns the gradients to autograd and DDP's hook adds them, unless
+  delayed);
 * delayed wgrad: backward records what the weight GEMMs need and returns no weight gradient; ``compute()``
   (called from ``backward_dw()``) runs the GEMMs, accumulates, then calls the hooks DDP registered through
   ``register_wgrad_accumulation_and_reduce_hooks`` (parameters carry ``skip_backward_post_hook``).
@@ -23,10 +27,10 @@ from collections.abc import Callable
 import torch
 
 
-def accumulate_weight_grad(w: torch.Tensor, g: torch.Tensor, use_main_grad: bool = True) -> None:
-    """Add ``g`` to ``w.main_grad`` when it exists and ``use_main_grad`` (setting Megatron's
-    ``w.grad_added_to_main_grad = True``), else to ``w.grad`` (created if absent), in that buffer's dtype."""
-    main = getattr(w, "main_grad", None) if use_main_grad else None
+def accumulate_weight_grad(w: torch.Tensor, g: torch.Tensor) -> None:
+    """Add ``g`` to ``w.main_grad`` when it exists (setting Megatron's ``w.grad_added_to_main_grad = True``),
+    else to ``w.grad`` (created if absent), in that buffer's dtype."""
+    main = getattr(w, "main_grad", None)
     if main is not None:
         main.add_(g.to(main.dtype))
         w.grad_added_to_main_grad = True
@@ -75,9 +79,8 @@ def add_to_main_grads(fn, params) -> None:
 class WeightGradSink:
     """Receives (w1, w2) weight gradients for one experts module."""
 
-    def __init__(self, params: tuple[torch.nn.Parameter, ...], *, fuse_main_grad: bool, delay: bool):
+    def __init__(self, params: tuple[torch.nn.Parameter, ...], *, delay: bool):
         self.params = params
-        self.fuse_main_grad = fuse_main_grad
         self.delay = delay
         self._pending: deque[Callable[[], tuple[torch.Tensor, ...]]] = deque()
         self._hooks: list[Callable] = []
@@ -90,21 +93,11 @@ class WeightGradSink:
         if self.delay:
             self._pending.append(compute)
             return (None,) * len(self.params)
-        mains = fusable_main_grads(self.params) if self.fuse_main_grad else None
-        if mains is not None:  # the GEMMs add straight into the fp32 main_grads: no temporary, no add kernel
-            compute(out=mains)
-            return tuple(self._added_to_main_grad(p) for p in self.params)
-        grads = compute()
-        if not self.fuse_main_grad:
-            return grads
-        out = []
-        for p, g in zip(self.params, grads, strict=True):
-            if getattr(p, "main_grad", None) is None:
-                out.append(g)
-                continue
-            p.main_grad.add_(g.to(p.main_grad.dtype))
-            out.append(self._added_to_main_grad(p))
-        return tuple(out)
+        mains = fusable_main_grads(self.params)
+        if mains is None:  # no DDP buffers: plain autograd gradients
+            return compute()
+        compute(out=mains)  # the GEMMs add straight into the fp32 main_grads: no temporary, no add kernel
+        return tuple(self._added_to_main_grad(p) for p in self.params)
 
     @staticmethod
     def _added_to_main_grad(p: torch.nn.Parameter) -> torch.Tensor | None:
@@ -112,7 +105,10 @@ class WeightGradSink:
         if not hasattr(p, "grad_added_to_main_grad"):
             return None
         p.grad_added_to_main_grad = True
-        # A dummy grad keeps DDP's grad-ready hook firing; DDP skips the add (flag set above).
+        # A dummy grad keeps DDP's grad-ready hook firing; DDP skips the add (flag set above) unless the
+        # parameter asks for ``zero_out_wgrad``, where it adds this dummy: zeros then, as Megatron's layers do.
+        if getattr(p, "zero_out_wgrad", False):
+            return torch.zeros(p.shape, dtype=p.dtype, device=p.device)
         return torch.empty(p.shape, dtype=p.dtype, device=p.device)
 
     # -- called from backward_dw() ---------------------------------------------------------------------
@@ -129,11 +125,10 @@ class WeightGradSink:
             self.ep_deferred.compute()
         while self._pending:
             compute = self._pending.popleft()
-            if self.fuse_main_grad and add_into_main_grads(compute, self.params):
+            if add_into_main_grads(compute, self.params):
                 continue
-            grads = compute()
-            for p, g in zip(self.params, grads, strict=True):
-                accumulate_weight_grad(p, g, use_main_grad=self.fuse_main_grad)
+            for p, g in zip(self.params, compute(), strict=True):
+                accumulate_weight_grad(p, g)
         for hook in self._hooks:
             hook(None)  # DDP's hook takes (*unused)
 

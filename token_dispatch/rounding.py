@@ -22,10 +22,11 @@ expert's rows come from all P source ranks, so the decision must be global:
 Drops are ranked by the pair's routing score (e.g. the renormalised top-K prob), additions by the dense
 router probability, as in SonicMoE's TC-first score matrix. Routed (token, expert) pairs must be unique.
 
-Without expert parallelism (``round_local``) the same decision runs on the device with no host sync: the
-candidates come from one ``topk`` per direction over integer keys that order like (score, token), and the
-result is a padded ``FlatRouting`` whose size is an upper bound known on the host (``rounded_pairs_bound``):
-its real pairs come first, padding pairs (token T, expert E, score 0) after them, and the kernels skip those.
+Without expert parallelism (``round_local``) the same decision runs on the device with no host sync: one
+per-expert top-n selection over int32 keys (one Triton launch on CUDA, ``triton_select.py``) cuts every
+expert, and the result is a padded ``FlatRouting`` whose size is an upper bound known on the host
+(``rounded_pairs_bound``): its real pairs come first, padding pairs (token T, expert E, score 0) after them,
+and the kernels skip those.
 """
 
 from __future__ import annotations
@@ -206,12 +207,52 @@ def rounded_pairs_bound(num_pairs: int, num_tokens: int, num_experts: int, tile:
     return num_pairs + num_experts * min(tile - 1, num_tokens)
 
 
-def _ordered_key(values: torch.Tensor) -> torch.Tensor:
-    """int64 that orders like the fp32 value (integer order of the sign-folded bits), shifted left by 32 so a
-    token index fits below it. Values are compared as fp32 (exact for bf16/fp16/fp32 scores)."""
-    bits = values.detach().float().contiguous().view(torch.int32).long()
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return ordered << 32
+_INT32_MAX = torch.iinfo(torch.int32).max
+_INT32_MIN = torch.iinfo(torch.int32).min
+
+
+def _ordered32(values: torch.Tensor) -> torch.Tensor:
+    """int32 that orders like the fp32 value (the sign-folded bits). Values are compared as fp32 (exact for
+    bf16/fp16/fp32 scores)."""
+    bits = values.detach().float().contiguous().view(torch.int32)
+    return torch.where(bits < 0, bits ^ _INT32_MAX, bits)
+
+
+def top_n_rows_torch(key_ET: torch.Tensor, n_E: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+    """Reference (and CPU path) of ``triton_select.top_n_rows``: each row's ``n_E`` largest int32 keys, ties to
+    the lower token, as (thr [E], cut [E], tokens [E, width] ascending, -1 past n); see that module."""
+    E, T = key_ET.shape
+    device = key_ET.device
+    k = min(width, T)
+    thr = torch.full((E,), _INT32_MAX, dtype=torch.int32, device=device)
+    cut = torch.full((E,), -1, dtype=torch.int32, device=device)
+    out = torch.full((E, width), -1, dtype=torch.int32, device=device)
+    if k == 0:
+        return thr, cut, out
+    # One int64 key per entry orders like (key, -token) and never ties: top-k is the stable order's prefix.
+    token_1T = torch.arange(T, device=device).unsqueeze(0)
+    full_ET = (key_ET.long() << 32) | ((1 << 32) - 1 - token_1T)
+    tok_Ek = torch.topk(full_ET, k, dim=1, largest=True, sorted=True).indices
+    last = (n_E.long() - 1).clamp(min=0).unsqueeze(1)
+    some = n_E > 0
+    thr = torch.where(some, key_ET.gather(1, tok_Ek.gather(1, last)).squeeze(1), thr)
+    cut = torch.where(some, tok_Ek.gather(1, last).squeeze(1).int(), cut)
+    chosen_Ek = torch.arange(k, device=device).unsqueeze(0) < n_E.unsqueeze(1)
+    tokens = torch.where(chosen_Ek, tok_Ek, T).sort(dim=1).values
+    out[:, :k] = torch.where(tokens < T, tokens, -1).int()
+    return thr, cut, out
+
+
+def top_n_rows(key_ET: torch.Tensor, n_E: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+    """One Triton launch on CUDA (``triton_select``), PyTorch's ops elsewhere; the same int32 results."""
+    if key_ET.is_cuda:
+        try:
+            from .triton_select import top_n_rows as top_n_rows_triton
+        except ImportError:
+            pass
+        else:
+            return top_n_rows_triton(key_ET, n_E, width)
+    return top_n_rows_torch(key_ET, n_E, width)
 
 
 def round_local(
@@ -224,45 +265,52 @@ def round_local(
         routing: top-K routing over the E experts, one process (scores [T, K], distinct indices per row).
         rounding_scores_TE: dense router probabilities [T, E] (ranks additions; added pairs take them as scores).
         num_experts: E.  rounding: the mode and tile.
+
+    Each expert either drops or adds pairs, never both, so one key matrix [E, T] holds both cuts: for an
+    expert that adds, its non-routed tokens keyed by dense score; for one that drops, its routed tokens keyed by
+    the reversed routing score. One per-row top-n selection (``top_n_rows``) then cuts every expert at once;
+    dropped pairs are recognised in [T, K] from the cut, added ones come as token lists. A sort of the kept and
+    added pairs' (token, expert) keys gives the reference's token-major order, padding last.
     """
     idx_TK, scores_TK = routing.indices_TK.long(), routing.scores_TK
     T, K = idx_TK.shape
     E, M, device = num_experts, rounding.tile, idx_TK.device
-    routed_TE = torch.zeros(T, E, dtype=torch.bool, device=device).scatter_(1, idx_TK, True)
-    f_E = routed_TE.sum(0)
+    # index_add_, not bincount: bincount reads max() back to the host on CUDA.
+    f_E = torch.zeros(E, dtype=torch.int64, device=device).index_add_(
+        0, idx_TK.reshape(-1), torch.ones(T * K, dtype=torch.int64, device=device)
+    )
     delta_E = _targets(f_E, torch.full_like(f_E, T), rounding) - f_E
-    k = min(M, T)
-    # Keys [E, T] (contiguous along tokens: one top-k per expert row). A key orders like (score, token) and
-    # never ties, so top-k's result is the stable sort's prefix: ties go to the lower token, as the reference.
-    routed_ET = routed_TE.t()
-    token_1T = torch.arange(T, device=device).unsqueeze(0)
-    routed_scores_TE = torch.zeros(T, E, dtype=scores_TK.dtype, device=device).scatter(1, idx_TK, scores_TK)
-    int64 = torch.iinfo(torch.int64)
-    # Drop candidates: the k lowest routed scores per expert.
-    drop_key_ET = torch.where(routed_ET, _ordered_key(routed_scores_TE.t()) | token_1T, int64.max)
-    drop_tok_Ek = torch.topk(drop_key_ET, k, dim=1, largest=False, sorted=True).indices
-    # Add candidates: the k highest dense scores among non-routed tokens.
-    add_key_ET = torch.where(routed_ET, int64.min, _ordered_key(rounding_scores_TE.t()) | ((1 << 32) - 1 - token_1T))
-    add_tok_Ek = torch.topk(add_key_ET, k, dim=1, largest=True, sorted=True).indices
-    rank_1k = torch.arange(k, device=device).unsqueeze(0)
-    expert_Ek = torch.arange(E, device=device).unsqueeze(1).expand(E, k)
-    true = torch.ones((), dtype=torch.bool, device=device)  # a fill, not a host-to-device copy (which would wait)
+    adds_E = delta_E > 0
+    adds_TK = adds_E[idx_TK]
+    # Keys: int32 ordering like the score; ~key reverses the order (the lowest routing score is the largest).
+    routed_key_TK = torch.where(adds_TK, _INT32_MIN, ~_ordered32(scores_TK))
+    key_TE = torch.where(adds_E.unsqueeze(0), _ordered32(rounding_scores_TE), _INT32_MIN)
+    key_TE.scatter_(1, idx_TK, routed_key_TK)
+    W = min(M - 1, T)
+    thr_E, cut_E, add_tok_EW = top_n_rows(key_TE.t().contiguous(), delta_E.abs(), W)
 
-    def mark(tok_Ek: torch.Tensor, n_E: torch.Tensor) -> torch.Tensor:
-        rows = torch.where(rank_1k < n_E.unsqueeze(1), tok_Ek, T)  # unselected candidates go to the spare row T
-        return torch.zeros(T + 1, E, dtype=torch.bool, device=device).index_put_((rows, expert_Ek), true)[:T]
-
-    drop_TE = mark(drop_tok_Ek, (-delta_E).clamp(min=0))
-    add_TE = mark(add_tok_Ek, delta_E.clamp(min=0))
-    final_TE = (routed_TE & ~drop_TE) | add_TE
-    bound = rounded_pairs_bound(T * K, T, E, M)
-    pairs_R2 = torch.nonzero_static(final_TE, size=bound, fill_value=-1)  # token-major, like nonzero()
-    valid_R = pairs_R2[:, 0] >= 0
-    tok_R = torch.where(valid_R, pairs_R2[:, 0], T)
-    exp_R = torch.where(valid_R, pairs_R2[:, 1], E)
-    flat_R = pairs_R2[:, 0].clamp(min=0) * E + pairs_R2[:, 1].clamp(min=0)
-    kept_R = routed_scores_TE.reshape(-1).gather(0, flat_R)
-    added_R = rounding_scores_TE.reshape(-1).gather(0, flat_R).to(scores_TK.dtype)
-    score_R = torch.where(add_TE.reshape(-1).gather(0, flat_R), added_R, kept_R)
-    score_R = torch.where(valid_R, score_R, torch.zeros((), dtype=score_R.dtype, device=device))
+    token_TK = torch.arange(T, device=device).unsqueeze(1)
+    thr_TK, cut_TK = thr_E[idx_TK], cut_E[idx_TK]
+    dropped_TK = (routed_key_TK > thr_TK) | ((routed_key_TK == thr_TK) & (token_TK <= cut_TK))
+    expert_EW = torch.arange(E, device=device).unsqueeze(1).expand(E, W)
+    added_EW = adds_E.unsqueeze(1) & (add_tok_EW >= 0)
+    add_tok_EW = add_tok_EW.long().clamp(min=0)
+    # (token, expert) keys, padding (T, E) last; int32 sorts faster where it fits.
+    pad = T * (E + 1) + E
+    key_dtype = torch.int32 if pad <= _INT32_MAX else torch.int64
+    pair_keys = torch.cat(
+        [
+            torch.where(dropped_TK, pad, token_TK * (E + 1) + idx_TK).reshape(-1),
+            torch.where(added_EW, add_tok_EW * (E + 1) + expert_EW, pad).reshape(-1),
+        ]
+    ).to(key_dtype)
+    sorted_R, order_R = torch.sort(pair_keys)
+    sorted_R = sorted_R.long()
+    scores_all = torch.cat(
+        [scores_TK.reshape(-1), rounding_scores_TE[add_tok_EW, expert_EW].reshape(-1).to(scores_TK.dtype)]
+    )
+    valid_R = sorted_R < pad
+    score_R = torch.where(valid_R, scores_all[order_R], torch.zeros((), dtype=scores_TK.dtype, device=device))
+    tok_R = torch.div(sorted_R, E + 1, rounding_mode="floor")
+    exp_R = sorted_R - tok_R * (E + 1)
     return FlatRouting(tok_R, exp_R, score_R, T, padded=True)

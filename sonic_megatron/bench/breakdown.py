@@ -15,6 +15,10 @@ Per row: step ms (CUDA events around the call, median and spread over ``--iters`
 issue the call; a step whose host ms reaches its step ms is host-bound), peak memory, and ratios to ``kernels``
 and to ``grouped``. Configs: ``qwen3`` = (T 16384, hidden 2048, ffn 768, 128 experts, top-8), ``sparse`` = (T
 16384, hidden 2048, ffn 512, 256 experts, top-8), or ``T,d,n,E,K``.
+
+``--routing balanced`` builds the tokens and router weights so that token t's top-K experts are
+(t*K + k) mod E: every expert gets T*K/E tokens, a multiple of the tile at both configs, so token rounding has
+nothing to change (its cost alone shows); ``random`` (default) uses random tokens and router weights.
 """
 
 from __future__ import annotations
@@ -49,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=_rows, default=list(ROWS), help=f"rows to run, from {','.join(ROWS)}")
     parser.add_argument("--iters", type=int, default=20, help="timed calls per row (after 3 warm-up calls)")
     parser.add_argument("--seq", type=int, default=4096, help="sequence length; batch = T / seq")
+    parser.add_argument(
+        "--routing",
+        choices=("random", "balanced"),
+        default="random",
+        help="random tokens and router, or a balanced top-K (every expert T*K/E tokens: nothing to round)",
+    )
 
 
 def _timed(fn, iters: int, device) -> dict:
@@ -129,7 +139,23 @@ def _layer_step(layer, x, g):
     return step
 
 
-def run_config(cfg, rows, iters: int, seq: int, device) -> list[dict]:
+def _balanced_inputs(plugin_router_weight, T: int, d: int, E: int, K: int, seq: int, device):
+    """Tokens and router weights (set in place) whose top-K for token t is experts (t*K + k) mod E, by a wide
+    margin: router row e reads feature e; token t carries 1 on its K features over noise of 0.1."""
+    import torch
+
+    if d < E or K > E:
+        raise ValueError(f"--routing balanced needs hidden >= experts and top-K <= experts, got d={d} E={E} K={K}")
+    with torch.no_grad():
+        plugin_router_weight.zero_()
+        plugin_router_weight[:, :E].copy_(8.0 * torch.eye(E))
+    x_TD = 0.1 * torch.randn(T, d, device=device)
+    chosen_TK = (torch.arange(T, device=device).unsqueeze(1) * K + torch.arange(K, device=device)) % E
+    x_TD.scatter_add_(1, chosen_TK, torch.ones(T, K, device=device))
+    return x_TD.to(torch.bfloat16).view(T // seq, seq, d).transpose(0, 1).contiguous()
+
+
+def run_config(cfg, rows, iters: int, seq: int, device, routing: str = "random") -> list[dict]:
     import torch
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
@@ -141,7 +167,13 @@ def run_config(cfg, rows, iters: int, seq: int, device) -> list[dict]:
     MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=device))
     plugin, rounded, grouped = _layers(cfg, device, seq)
     torch.manual_seed(0)
-    x = torch.randn(seq, T // seq, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    if routing == "balanced":
+        x = _balanced_inputs(plugin.router.weight, T, d, E, K, seq, device).requires_grad_()
+        with torch.no_grad():
+            for other in (rounded, grouped):
+                other.router.weight.copy_(plugin.router.weight)
+    else:
+        x = torch.randn(seq, T // seq, d, device=device, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn_like(x)
     x_TD, g_TD = x.detach().view(-1, d).requires_grad_(), g.view(-1, d)
     w_r = plugin.router.weight.detach().requires_grad_()
@@ -163,6 +195,9 @@ def run_config(cfg, rows, iters: int, seq: int, device) -> list[dict]:
         logits = torch.nn.functional.linear(x_TD.float(), w_r.float())
         dense = torch.softmax(logits, -1)
         scores, idx = topk_softmax(logits, K)
+        counts = torch.zeros(E, dtype=torch.int64, device=device).index_add_(0, idx.reshape(-1), torch.ones_like(idx))
+        untiled = int((counts % 128 != 0).sum())
+    print(f"  routing {routing}: {untiled} of {E} experts' token counts are not multiples of 128", flush=True)
 
     def rounding():
         round_local(TopKRouting(scores, idx), dense, num_experts=E, rounding=TokenRounding("nearest", 128))
@@ -183,7 +218,7 @@ def run_config(cfg, rows, iters: int, seq: int, device) -> list[dict]:
     out = []
     for name in rows:
         print(f"  {name} ...", flush=True)
-        res = {"config": ",".join(map(str, cfg)), "row": name, **_timed(fns[name], iters, device)}
+        res = {"config": ",".join(map(str, cfg)), "routing": routing, "row": name, **_timed(fns[name], iters, device)}
         out.append(res)
     by = {r["row"]: r["ms"] for r in out}
     for r in out:
@@ -215,7 +250,9 @@ def run(args) -> int:
             print(f"--seq {args.seq} must divide T = {cfg[0]}")
             return 2
         print(f"config (T,d,n,E,K) = {cfg}", flush=True)
-        results += run_config(cfg, args.rows, args.iters, args.seq, device)
-    print_table(results, ["config", "row", "ms", "ms_min", "ms_max", "host_ms", "peak_mib", "x_kernels", "x_grouped"])
+        results += run_config(cfg, args.rows, args.iters, args.seq, device, args.routing)
+    print_table(
+        results, ["config", "routing", "row", "ms", "ms_min", "ms_max", "host_ms", "peak_mib", "x_kernels", "x_grouped"]
+    )
     write_json(args.json, {"benchmark": "breakdown", "environment": environment(), "results": results})
     return 0
