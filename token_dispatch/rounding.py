@@ -23,8 +23,8 @@ Drops are ranked by the pair's routing score (e.g. the renormalised top-K prob),
 router probability, as in SonicMoE's TC-first score matrix. Routed (token, expert) pairs must be unique.
 
 Without expert parallelism (``round_local``) the same decision runs on the device with no host sync: one
-per-expert top-n selection over int32 keys (one Triton launch on CUDA, ``triton_select.py``) cuts every
-expert, and the result is a padded ``FlatRouting`` whose size is an upper bound known on the host
+per-expert top-n selection over int32 keys cuts every expert (on CUDA in four Triton launches and a sort,
+``triton_round.py``), and the result is a padded ``FlatRouting`` whose size is an upper bound known on the host
 (``rounded_pairs_bound``): its real pairs come first, padding pairs (token T, expert E, score 0) after them,
 and the kernels skip those.
 """
@@ -219,8 +219,9 @@ def _ordered32(values: torch.Tensor) -> torch.Tensor:
 
 
 def top_n_rows_torch(key_ET: torch.Tensor, n_E: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
-    """Reference (and CPU path) of ``triton_select.top_n_rows``: each row's ``n_E`` largest int32 keys, ties to
-    the lower token, as (thr [E], cut [E], tokens [E, width] ascending, -1 past n); see that module."""
+    """Each row's ``n_E`` largest int32 keys, ties to the lower token: (thr [E], cut [E], tokens [E, width]
+    ascending, -1 past n); the selected set is ``key > thr`` or ``key == thr and token <= cut`` (thr = INT32_MAX,
+    cut = -1 where n = 0)."""
     E, T = key_ET.shape
     device = key_ET.device
     k = min(width, T)
@@ -243,23 +244,34 @@ def top_n_rows_torch(key_ET: torch.Tensor, n_E: torch.Tensor, width: int) -> tup
     return thr, cut, out
 
 
-def top_n_rows(key_ET: torch.Tensor, n_E: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
-    """One Triton launch on CUDA (``triton_select``), PyTorch's ops elsewhere; the same int32 results."""
-    if key_ET.is_cuda:
-        try:
-            from .triton_select import top_n_rows as top_n_rows_triton
-        except ImportError:
-            pass
-        else:
-            return top_n_rows_triton(key_ET, n_E, width)
-    return top_n_rows_torch(key_ET, n_E, width)
-
-
 def round_local(
     routing: TopKRouting, rounding_scores_TE: torch.Tensor, *, num_experts: int, rounding: TokenRounding
 ) -> FlatRouting:
     """``round_routing(..., group=None)`` on the device without a host sync (same pairs, same order, same
-    scores for fp32 / 16-bit scores), as a padded ``FlatRouting`` of ``rounded_pairs_bound`` pairs.
+    scores for fp32 / 16-bit scores), as a padded ``FlatRouting`` of ``rounded_pairs_bound`` pairs: four Triton
+    launches and a sort on CUDA (``triton_round.py``), ``round_local_torch`` elsewhere.
+
+    Args:
+        routing: top-K routing over the E experts, one process (scores [T, K], distinct indices per row).
+        rounding_scores_TE: dense router probabilities [T, E] (ranks additions; added pairs take them as scores).
+        num_experts: E.  rounding: the mode and tile.
+    """
+    T, K = routing.indices_TK.shape
+    narrow = routing.scores_TK.dtype != torch.float64 and rounding_scores_TE.dtype != torch.float64
+    if routing.indices_TK.is_cuda and T * K > 0 and num_experts <= 4096 and narrow:
+        try:
+            from .triton_round import round_local_triton
+        except ImportError:
+            pass
+        else:
+            return round_local_triton(routing, rounding_scores_TE, num_experts, rounding.mode, rounding.tile)
+    return round_local_torch(routing, rounding_scores_TE, num_experts=num_experts, rounding=rounding)
+
+
+def round_local_torch(
+    routing: TopKRouting, rounding_scores_TE: torch.Tensor, *, num_experts: int, rounding: TokenRounding
+) -> FlatRouting:
+    """The reference of ``round_local`` in PyTorch ops (and its path off CUDA).
 
     Args:
         routing: top-K routing over the E experts, one process (scores [T, K], distinct indices per row).
@@ -268,7 +280,7 @@ def round_local(
 
     Each expert either drops or adds pairs, never both, so one key matrix [E, T] holds both cuts: for an
     expert that adds, its non-routed tokens keyed by dense score; for one that drops, its routed tokens keyed by
-    the reversed routing score. One per-row top-n selection (``top_n_rows``) then cuts every expert at once;
+    the reversed routing score. One per-row top-n selection (``top_n_rows_torch``) then cuts every expert at once;
     dropped pairs are recognised in [T, K] from the cut, added ones come as token lists. A sort of the kept and
     added pairs' (token, expert) keys gives the reference's token-major order, padding last.
     """
@@ -287,7 +299,7 @@ def round_local(
     key_TE = torch.where(adds_E.unsqueeze(0), _ordered32(rounding_scores_TE), _INT32_MIN)
     key_TE.scatter_(1, idx_TK, routed_key_TK)
     W = min(M - 1, T)
-    thr_E, cut_E, add_tok_EW = top_n_rows(key_TE.t().contiguous(), delta_E.abs(), W)
+    thr_E, cut_E, add_tok_EW = top_n_rows_torch(key_TE.t().contiguous(), delta_E.abs(), W)
 
     token_TK = torch.arange(T, device=device).unsqueeze(1)
     thr_TK, cut_TK = thr_E[idx_TK], cut_E[idx_TK]

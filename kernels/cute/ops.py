@@ -107,11 +107,11 @@ def _semaphore(device):
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def _heuristic_launch(gemm: str, F: int, D: int, tiles: tuple, device):
+def _heuristic_launch(gemm: str, F: int, D: int, tiles: tuple, device, accumulate: bool = False):
     """(tile config, tile counter) of a GEMM launched now under the heuristic tuning: the counter (zeroed) when
     the launch uses the dynamic tile scheduler (``_dynamic``), else None."""
     dynamic = _dynamic()
-    return heuristic_config(gemm, F, D, tiles, dynamic), (_semaphore(device) if dynamic else None)
+    return heuristic_config(gemm, F, D, tiles, dynamic, accumulate), (_semaphore(device) if dynamic else None)
 
 
 def _gemm(
@@ -132,7 +132,7 @@ def _gemm(
     added once by the one tile that owns it, so the result is deterministic; not with varlen-M)."""
     options = kernel_options()
     if options.tuning == "heuristic":
-        config, sem = _heuristic_launch(gemm, F, D, options.tiles, A.device)
+        config, sem = _heuristic_launch(gemm, F, D, options.tiles, A.device, add_to_output)
         args = (A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx, concat_layout, add_to_output)
         quack_adapter.gemm(config, sem, *args)
     else:

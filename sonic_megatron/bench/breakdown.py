@@ -195,7 +195,9 @@ def run_config(cfg, rows, iters: int, seq: int, device, routing: str = "random")
         logits = torch.nn.functional.linear(x_TD.float(), w_r.float())
         dense = torch.softmax(logits, -1)
         scores, idx = topk_softmax(logits, K)
-        counts = torch.zeros(E, dtype=torch.int64, device=device).index_add_(0, idx.reshape(-1), torch.ones_like(idx))
+        counts = torch.zeros(E, dtype=torch.int64, device=device).index_add_(
+            0, idx.reshape(-1), torch.ones(idx.numel(), dtype=torch.int64, device=device)
+        )
         untiled = int((counts % 128 != 0).sum())
     print(f"  routing {routing}: {untiled} of {E} experts' token counts are not multiples of 128", flush=True)
 
