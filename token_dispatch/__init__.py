@@ -38,8 +38,9 @@ Refinements of the team contract (all contract names work as specified):
 Modules: options (``EPOptions``), engine (one micro-batch's forward and backward steps: plan, dispatch,
 experts, combine), front-ends layer (one autograd node), stepwise (Megatron's method split), interleave (two
 micro-batches); plan (``EPPlan``/``make_plan``, decides rounding) from send_side (+ triton_send), sizes (the
-one counts exchange) and recv_side (+ triton_recv); rounding, exchange (row movement), comm (collectives),
-validation (header), wgrad (deferral), launch_count (host-work counter of ``bench layer --count-ops``).
+one counts exchange) and recv_side (+ triton_recv); rounding (+ triton_round), exchange (row movement), comm
+(collectives), validation (header), wgrad (deferral), launch_count (host-work counter of ``bench layer
+--count-ops``).
 """
 
 from .interleave import EPForward, EPGrads, ep_backward, ep_forward, ep_forward_backward
