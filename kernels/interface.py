@@ -34,7 +34,8 @@ BACKENDS = ("auto", "torch", "cute")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # weight_grad_hook(compute) -> (dW1 or None, dW2 or None); compute() returns (dW1, dW2), and
-# compute(out=(dW1_acc, dW2_acc)) adds them into those buffers instead (fused accumulation, e.g. main_grad).
+# compute(out=(dW1_acc, dW2_acc)) adds them into those buffers instead (fused accumulation, e.g. main_grad), and
+# compute(out=..., accumulate=False) stores them there (buffers that hold no gradient yet).
 WeightGradHook = Callable[[Callable[..., tuple[torch.Tensor, torch.Tensor]]], tuple[torch.Tensor | None, ...]]
 
 _warned: set[str] = set()
@@ -232,8 +233,8 @@ class MoEExpertsFunction(torch.autograd.Function):
         dw1 = dw2 = None
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
 
-            def weight_grads(out=None):
-                return ops.backward_weights(dO_TD, x_TD, aprime_RF, dH_RG, meta, out=out)
+            def weight_grads(out=None, accumulate=True):
+                return ops.backward_weights(dO_TD, x_TD, aprime_RF, dH_RG, meta, out=out, accumulate=accumulate)
 
             hook = ctx.weight_grad_hook
             dw1, dw2 = weight_grads() if hook is None else hook(weight_grads)
@@ -297,7 +298,8 @@ def moe_experts(
             gets for the weights (e.g. ``(None, None)`` after accumulating them elsewhere, or after deferring the
             call, as Megatron's ``main_grad`` fusion and ``backward_dw()`` do). None: plain autograd. The
             function also takes ``out=(dW1_acc, dW2_acc)``: the gradients are then ADDED into those buffers
-            (on GPUs inside the GEMM epilogue, e.g. straight into fp32 ``main_grad``s).
+            (on GPUs inside the GEMM epilogue, e.g. straight into fp32 ``main_grad``s), or stored there with
+            ``accumulate=False`` (buffers known to hold nothing yet: no read of their old values).
 
     Gradients reach x, the routing scores, w1 and w2.
     """

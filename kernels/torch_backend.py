@@ -151,13 +151,14 @@ def backward_weights(
     dH_RG: torch.Tensor,
     meta: RoutingMetadata,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    accumulate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dW1 [E, G, D], dW2 [E, D, F]) as varlen-K grouped GEMMs over gathered rows of X and dO.
 
     ``out=(dW1_acc, dW2_acc)`` (those shapes, contiguous, any float dtype, typically fp32): the gradients are
     ADDED into these buffers, which are returned (fused accumulation: Megatron's ``main_grad``, the chunks of
-    an expert-parallel backward). Here the sum is formed in the compute dtype and added; the GPU backend adds
-    inside its GEMM epilogue."""
+    an expert-parallel backward), or with ``accumulate=False`` stored there (their old values are not read).
+    Here the sum is formed in the compute dtype and added; the GPU backend adds inside its GEMM epilogue."""
     E, F = meta.num_experts, aprime_RF.shape[1]
     if out is not None:
         check_weight_grad_out(out, ((E, dH_RG.shape[1], x_TD.shape[1]), (E, x_TD.shape[1], F)), x_TD.device)
@@ -167,6 +168,9 @@ def backward_weights(
     dw1_EGD = _grouped_mm_varlen_k(dH_RG, x_TD.index_select(0, gather), counts)
     if out is None:
         return dw1_EGD, dw2_EDF
-    out[0].add_(dw1_EGD.to(out[0].dtype))
-    out[1].add_(dw2_EDF.to(out[1].dtype))
+    for acc, dw in zip(out, (dw1_EGD, dw2_EDF), strict=True):
+        if accumulate:
+            acc.add_(dw.to(acc.dtype))
+        else:
+            acc.copy_(dw)
     return out[0], out[1]

@@ -17,6 +17,10 @@ Two outputs, one router:
   top-K afterwards, so every option keeps working. Ties between equal logits: the fused kernel takes the lower
   expert, ``torch.topk`` leaves the order unspecified.
 
+The logits: with ``moe_router_dtype='fp32'`` and a bf16 input on CUDA, the logits GEMM and its two gradients run
+on the bf16 tensor cores over exact bf16 splits of fp32 operands with chunked accumulation, within the error of
+Megatron's fp32 GEMMs on the CUDA cores (``router_gemm.py``); anything else takes TopKRouter's ``gating``.
+
 Token rounding adds (token, expert) pairs that top-K did not choose and drops chosen ones; it ranks both by
 the router's dense probability and gives added pairs that probability as their weight (SonicMoE does the
 same), so gradients reach the router through them. ``dense_probs_TE`` is that tensor: the score function
@@ -29,6 +33,8 @@ from __future__ import annotations
 
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
+
+from .router_gemm import router_logits, unsupported_reason
 
 FUSED_ROUTING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
@@ -95,6 +101,13 @@ class SonicRouter(TopKRouter):
         if not _kernel_runs_on(logits.device):
             return f"device {logits.device} (the fused kernel runs on CUDA, or on CPU under TRITON_INTERPRET=1)"
         return None
+
+    # -- gating ------------------------------------------------------------------------------------------
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        """TopKRouter's logits; fp32 logits of a bf16 input on CUDA on the tensor cores (``router_gemm.py``)."""
+        if unsupported_reason(input, self.weight, self.config.moe_router_dtype) is not None:
+            return super().gating(input)
+        return router_logits(input, self.weight, self.bias)
 
     # -- routing -----------------------------------------------------------------------------------------
     def routing(self, logits: torch.Tensor, *args, **kwargs):

@@ -6,7 +6,8 @@ Shape legend: see ``kernels/routing.py``.
 Megatron's contract, mirrored here:
 * fused accumulation: where DDP gave both weights a contiguous ``main_grad``, the weight-gradient GEMMs add into
   it themselves (``compute(out=main_grads)``: fp32 accumulation in the epilogue, no bf16 gradient, no add
-  kernel), ``param.grad_added_to_main_grad`` is set, and autograd receives a dummy tensor so that DDP's
+  kernel; at an iteration's first micro-batch, while DDP's zeroed buffers hold nothing, they store instead,
+  ``main_grads_empty``), ``param.grad_added_to_main_grad`` is set, and autograd receives a dummy tensor so that DDP's
   per-parameter hook still fires (it skips the add because of the flag) -- what Megatron's own linear layers do
   under ``gradient_accumulation_fusion``. That flag selects Megatron's fused-GEMM extension (apex / Transformer
   Engine) for its linear layers; the experts' GEMMs accumulate natively, so they fuse whatever it says. (At
@@ -52,14 +53,24 @@ def fusable_main_grads(params) -> tuple[torch.Tensor, ...] | None:
     return tuple(mains)
 
 
+def main_grads_empty(params) -> bool:
+    """Whether the params' ``main_grad`` buffers hold no gradient yet: Megatron DDP clears
+    ``grad_added_to_main_grad`` where it zeroes the buffers (``zero_grad_buffer``, at every iteration's start),
+    and only a fused accumulation sets it, so False on every param means zeros there. The weight GEMMs then
+    store into the buffers instead of adding (no read of the fp32 zeros: dW1 + dW2 at (T, D, F, E, K) = (8192,
+    2048, 768, 128, 8) 1.5 vs 2.3 ms on an H100). A param without the attribute (no DDP) is never taken as empty."""
+    return all(getattr(p, "grad_added_to_main_grad", True) is False for p in params)
+
+
 def add_into_main_grads(fn, params) -> bool:
-    """When ``fusable_main_grads(params)``: ``fn(out=main_grads)`` adds the gradients there (inside the GEMMs)
-    and every param gets ``grad_added_to_main_grad = True`` (as ``accumulate_weight_grad`` sets it); True.
-    Otherwise nothing runs and the caller accumulates ``fn()``'s result itself; False."""
+    """When ``fusable_main_grads(params)``: ``fn(out=main_grads)`` adds the gradients there (inside the GEMMs;
+    stores them where ``main_grads_empty``) and every param gets ``grad_added_to_main_grad = True`` (as
+    ``accumulate_weight_grad`` sets it); True. Otherwise nothing runs and the caller accumulates ``fn()``'s
+    result itself; False."""
     mains = fusable_main_grads(params)
     if mains is None:
         return False
-    fn(out=mains)
+    fn(out=mains, accumulate=not main_grads_empty(params))
     for p in params:
         p.grad_added_to_main_grad = True
     return True
@@ -96,7 +107,9 @@ class WeightGradSink:
         mains = fusable_main_grads(self.params)
         if mains is None:  # no DDP buffers: plain autograd gradients
             return compute()
-        compute(out=mains)  # the GEMMs add straight into the fp32 main_grads: no temporary, no add kernel
+        # The GEMMs add straight into the fp32 main_grads (no temporary, no add kernel), or store there at the
+        # iteration's first micro-batch.
+        compute(out=mains, accumulate=not main_grads_empty(self.params))
         return tuple(self._added_to_main_grad(p) for p in self.params)
 
     @staticmethod

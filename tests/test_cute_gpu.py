@@ -316,11 +316,14 @@ def test_cute_rejects_unsupported_inputs():
             moe_experts(*args, backend="cute", **kw)
 
 
+@pytest.mark.parametrize("accumulate", [True, False])
 @pytest.mark.parametrize("name", ["ragged", "hot_and_empty_experts", "rank_receives_nothing"])
-def test_cute_weight_grads_added_into_fp32_out(name):
+def test_cute_weight_grads_added_into_fp32_out(name, accumulate):
     """``compute(out=(acc1, acc2))`` (Megatron's fused main_grad path, chunked EP backward): the GEMMs add dW1/dW2
-    into fp32 accumulators in their epilogue. vs float64: acc0 + dW_ref, within 2x the torch backend doing the
-    same in bf16 (+ atol); experts without rows leave their accumulator bits untouched; two runs bitwise equal."""
+    into fp32 accumulators in their epilogue, or store them there with ``accumulate=False`` (the first micro-batch
+    after DDP zeroed its buffers). vs float64: acc0 + dW_ref (dW_ref when storing), within 2x the torch backend
+    doing the same in bf16 (+ atol); experts without rows leave their accumulator bits untouched when adding and
+    get zeros when storing; two runs bitwise equal."""
     _require_cute()
     x, routing, w1, w2, dO, dtype, act = _case(*SMALL[name])
     ref = _run("reference", x, routing, w1, w2, dO, torch.float64, act)
@@ -332,7 +335,7 @@ def test_cute_weight_grads_added_into_fp32_out(name):
         xl, r, _, w1l, w2l = _leaves(x, routing, w1, w2, dtype)
 
         def hook(compute):
-            compute(out=acc)
+            compute(out=acc, accumulate=accumulate)
             return None, None
 
         if backend == "cute":
@@ -347,10 +350,12 @@ def test_cute_weight_grads_added_into_fp32_out(name):
     if isinstance(routing, TopKRouting) and x.shape[0]:
         used[routing.indices_TK.reshape(-1).unique().cpu()] = True
     for k, rname in enumerate(("dw1", "dw2")):
-        r = acc0[k].double() + ref[rname]
+        r = acc0[k].double() + ref[rname] if accumulate else ref[rname]
         assert got[k].dtype == torch.float32 and torch.equal(got[k], again[k]), rname
         err = (got[k].double() - r).abs().max().item()
         base_err = (base[k].double() - r).abs().max().item()
         atol = torch.finfo(dtype).eps / 2 * ref[rname].abs().max().item()
         assert err <= 2 * base_err + atol, f"{rname}: err {err:.3e} > 2 x torch {base_err:.3e} + atol {atol:.1e}"
-        assert torch.equal(got[k][~used.cuda()], acc0[k][~used.cuda()]), f"{rname}: an empty expert's buffer changed"
+        empty = got[k][~used.cuda()]
+        expected = acc0[k][~used.cuda()] if accumulate else torch.zeros_like(empty)
+        assert torch.equal(empty, expected), f"{rname}: an empty expert's buffer is wrong"

@@ -162,15 +162,47 @@ def test_fused_main_grad_dummy_follows_zero_out_wgrad():
     w.zero_out_wgrad = True
     sink = WeightGradSink((w,), delay=False)
 
-    def compute(out=None):
+    def compute(out=None, accumulate=True):
         if out is not None:
-            out[0].add_(1.0)
+            out[0].add_(1.0) if accumulate else out[0].fill_(1.0)
             return None
         return (torch.full((2, 3), 1.0),)
 
     (dummy,) = sink.grads_for_autograd(compute)
     assert w.grad_added_to_main_grad and torch.equal(w.main_grad, torch.ones(2, 3))
     assert torch.equal(dummy, torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("delay", [False, True])
+def test_fused_main_grad_stores_at_first_microbatch_then_adds(delay):
+    """While DDP's flag says the zeroed main_grads hold nothing (``grad_added_to_main_grad`` False on every
+    weight), the weight GEMMs store into them; after that, and where any weight has the flag set or lacks it,
+    they add. Checked with the real backward (torch backend) against autograd's gradients."""
+    from sonic_megatron.kernels import TopKRouting, moe_experts
+
+    from sonic_megatron.wgrad import WeightGradSink
+
+    torch.manual_seed(0)
+    T, D, F, E, K = 16, 8, 4, 3, 2
+    w1 = torch.nn.Parameter(torch.randn(E, 2 * F, D, dtype=torch.float64))
+    w2 = torch.nn.Parameter(torch.randn(E, D, F, dtype=torch.float64))
+    x = torch.randn(T, D, dtype=torch.float64)
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    routing = TopKRouting(torch.rand(T, K, dtype=torch.float64), idx)
+    moe_experts(x, routing, w1, w2, backend="torch").sum().backward()
+    ref = (w1.grad.clone(), w2.grad.clone())
+    sink = WeightGradSink((w1, w2), delay=delay)
+    for p in (w1, w2):
+        p.grad = None
+        p.main_grad = torch.full_like(p, float("nan"))  # stale values: must never be read while "empty"
+        p.grad_added_to_main_grad = False
+    for step in range(2):
+        out = moe_experts(x, routing, w1, w2, backend="torch", weight_grad_hook=sink.grads_for_autograd)
+        out.sum().backward()
+        sink.compute()
+        for p, g in zip((w1, w2), ref, strict=True):
+            assert p.grad_added_to_main_grad
+            torch.testing.assert_close(p.main_grad, (step + 1) * g)
 
 
 @pytest.mark.slow

@@ -477,14 +477,14 @@ def test_forward_host_order(N):
 
 def _recorded_wgrad_fn(calls, g1, g2):
     """A recorded weight-gradient closure with ``backward_weights``' contract: returns (g1, g2), or adds them
-    into ``out``; logs whether it got ``out``."""
+    into ``out`` (stores them with ``accumulate=False``); logs whether it got ``out``."""
 
-    def fn(out=None):
+    def fn(out=None, accumulate=True):
         calls.append(out is not None)
         if out is None:
             return g1.clone(), g2.clone()  # fresh tensors, as the GEMMs return
-        out[0].add_(g1)
-        out[1].add_(g2)
+        for acc, g in zip(out, (g1, g2), strict=True):
+            acc.add_(g) if accumulate else acc.copy_(g)
         return out
 
     return fn
@@ -517,8 +517,9 @@ def test_deferred_wgrad_default_sink_adds_to_grad_and_a_given_sink_gets_every_cl
 
 def test_main_grad_sink_adds_into_main_grads_through_out():
     """Megatron's sink (``sonic_megatron.wgrad.add_to_main_grads``): with a contiguous main_grad on both
-    weights, the recorded GEMMs get them as ``out`` (fused accumulation, no temporary); otherwise the returned
-    gradients are accumulated (into ``.grad`` where a weight has no main_grad)."""
+    weights, the recorded GEMMs get them as ``out`` (fused accumulation, no temporary; stored while DDP's flag
+    says they are empty); otherwise the returned gradients are accumulated (into ``.grad`` where a weight has no
+    main_grad)."""
     from sonic_megatron.wgrad import add_to_main_grads
 
     w1, w2 = torch.zeros(2, 4, 3, requires_grad=True), torch.zeros(2, 3, 2, requires_grad=True)
@@ -529,15 +530,23 @@ def test_main_grad_sink_adds_into_main_grads_through_out():
     wg.record(fn, w1, w2)
     wg.compute()  # no main_grad: returned gradients go to .grad
     assert calls == [False] and torch.equal(w1.grad, g1) and torch.equal(w2.grad, g2)
-    for w in (w1, w2):
+    for w in (w1, w2):  # main_grads that already hold a gradient (DDP's flag set): added to
         w.main_grad = torch.ones(w.shape, dtype=torch.float32)
-        w.grad_added_to_main_grad = False
+        w.grad_added_to_main_grad = True
     wg.record(fn, w1, w2)
     wg.record(fn, w1, w2)
     wg.compute()
     assert calls == [False, True, True] and wg.num_pending == 0
     torch.testing.assert_close(w1.main_grad, 1 + g1 + g1, rtol=0, atol=0)
     torch.testing.assert_close(w2.main_grad, 1 + g2 + g2, rtol=0, atol=0)
+    for w in (w1, w2):  # freshly zeroed by DDP (flag cleared): the first gradient is stored, stale values unread
+        w.main_grad.fill_(float("nan"))
+        w.grad_added_to_main_grad = False
+    wg.record(fn, w1, w2)
+    wg.record(fn, w1, w2)
+    wg.compute()
+    torch.testing.assert_close(w1.main_grad, g1 + g1, rtol=0, atol=0)
+    torch.testing.assert_close(w2.main_grad, g2 + g2, rtol=0, atol=0)
     assert w1.grad_added_to_main_grad and w2.grad_added_to_main_grad
 
 

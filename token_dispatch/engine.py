@@ -157,9 +157,9 @@ def weight_grads(ops, dO, x, ap, dH, meta: RoutingMetadata, w1, w2, wgrad, acc, 
     when deferred (they then run in Megatron's backward_dw, beside its all-to-alls)."""
     if wgrad is not None:
 
-        def deferred(out=None):
+        def deferred(out=None, accumulate=True):
             with ops.reserve_sms(comm_sms):
-                return ops.backward_weights(dO, x, ap, dH, meta, out=out)
+                return ops.backward_weights(dO, x, ap, dH, meta, out=out, accumulate=accumulate)
 
         wgrad.record(deferred, w1, w2)
         return None

@@ -75,7 +75,9 @@ def sum_rows_per_token(plan: EPPlan, rows_SD: torch.Tensor) -> torch.Tensor:
     if rows_SD.is_cuda and rows_SD.dtype in (torch.float16, torch.bfloat16, torch.float32):
         from ..kernels.triton import gather_sum
 
-        return gather_sum(rows_SD.contiguous(), plan.combine_meta(), None, pairs_per_token=plan.world_size)
+        # A token has at most one row per rank: one step of the power of two >= P covers every token.
+        ppt = 1 << max(0, plan.world_size - 1).bit_length()
+        return gather_sum(rows_SD.contiguous(), plan.combine_meta(), None, pairs_per_token=ppt)
     ct = torch.promote_types(rows_SD.dtype, torch.float32)
     ordered = rows_SD.index_select(0, plan.combine_order_S).to(ct)
     out = torch.segment_reduce(ordered, "sum", offsets=plan.combine_offsets, axis=0, unsafe=True)

@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 import torch
 
-# fn(out=None) -> (dw1, dw2); with ``out=(acc1, acc2)`` it adds into those buffers (``backward_weights``' contract).
+# fn(out=None) -> (dw1, dw2); with ``out=(acc1, acc2)`` it adds into those buffers, with ``accumulate=False`` too
+# it stores there (``backward_weights``' contract).
 WeightGradFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # sink(fn, (w1, w2)): runs fn and puts its gradients where the caller's framework wants them.
 WeightGradSinkFn = Callable[[WeightGradFn, tuple[torch.Tensor, torch.Tensor]], None]

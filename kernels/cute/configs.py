@@ -36,29 +36,30 @@ def _from_spec(spec: TileSpec) -> GemmConfig:
 
 @functools.cache
 def heuristic_config(
-    gemm: str, F: int, D: int, tiles: tuple = (), dynamic: bool = False, accumulate: bool = False
+    gemm: str, F: int, D: int, tiles: tuple = (), dynamic: bool = False, main_grad: str | None = None
 ) -> GemmConfig:
     """``_tile_config``, or the override of ``tiles`` (``KernelOptions.tiles``: ((gemm, TileSpec), ...)); memoized
     (called at every launch; the launch cache keys on the returned object's id). ``dynamic``: with QuACK's
-    dynamic persistent tile scheduler (CTAs take tiles from an atomic counter). ``accumulate``: the GEMM adds
-    into its output (fp32 weight-gradient accumulation)."""
+    dynamic persistent tile scheduler (CTAs take tiles from an atomic counter). ``main_grad``: "add" / "store"
+    for a weight GEMM writing a caller's accumulator (fp32 ``main_grad``: added to, or stored into at an
+    iteration's first micro-batch)."""
     override = dict(tiles).get(gemm)
-    config = _from_spec(override) if override is not None else _tile_config(gemm, F, D, accumulate)
+    config = _from_spec(override) if override is not None else _tile_config(gemm, F, D, main_grad)
     return dataclasses.replace(config, is_dynamic_persistent=True) if dynamic else config
 
 
-def _tile_config(gemm: str, F: int, D: int, accumulate: bool = False) -> GemmConfig:
+def _tile_config(gemm: str, F: int, D: int, main_grad: str | None = None) -> GemmConfig:
     """The tile config of GEMM ``gemm`` (one of GEMMS) at expert size F (n) and hidden size D (d).
 
     Each rule cites the measured cost relative to the best config at the three measured shapes
     (D, F) = (1536, 256), (2048, 1024), (4096, 1024) (docs/perf/quack-tiles-h100-2026-11-21.txt)."""
-    if accumulate and gemm in ("dw1", "dw2"):
-        # Adding into fp32 main_grads makes the weight GEMMs store-bound (the fp32 read-modify-write of every
-        # expert's weights per micro-batch); Ping-Pong overlaps one tile's store with the next tile's MMAs.
-        # dW1 + dW2 ms on an H100 at (T, D, E, K) = (8192, 2048, *, 8), same tile for both (F 768, E 128 /
-        # F 512, E 256): P128x192 2.71 / 3.62, P128x128 2.93 / 3.34, C256x128 2.72 / 3.49, C128x256 2.84 / 3.45,
-        # C256x192 2.99 / 3.62 (bf16 outputs, no accumulation: 1.25 / 1.03).
-        return _config("P", 128, 192) if (2 * F) % 192 == 0 else _config("P", 128, 128)
+    if main_grad and gemm in ("dw1", "dw2"):
+        # fp32 main_grads make the weight GEMMs store-bound (every expert's weights written per micro-batch, and
+        # read too when adding: the epilogue loads the old values as the C operand). dW1 + dW2 ms on an H100 at
+        # (T, D, E, K) = (8192, 2048, *, 8), same tile for both, F 768 E 128 / F 512 E 256 (bf16 outputs: 1.11 /
+        # 1.05): add   P128x128 2.30 / 2.96, P128x192 2.34 / -, C128x256 2.37 / 2.72, C256x128 2.30 / 2.96;
+        #        store P128x128 1.71 / 1.69, P128x192 1.51 / -, C128x256 1.51 / 1.47, C256x128 1.71 / 1.68.
+        return _config("P", 128, 128) if main_grad == "add" and F >= 768 else _config("C", 128, 256)
     if gemm == "up":  # N = 2F, gathered X, SwiGLU epilogue: C128x256 best at all three
         return _config("C", 128, 256) if F >= 128 else _config("P", 128, 128)
     if gemm == "down":  # N = D, contiguous A': P128x192c21 1.014 / 1.000 / 1.108; C256x128c12 1.010 / 1.016 / 1.000

@@ -47,7 +47,7 @@ compute_metadata_topk = compute_metadata_topk_triton  # top-K: no flat token ind
 __all__ = ["backward_data", "backward_weights", "compute_metadata", "compute_metadata_topk", "forward", "reserve_sms"]
 
 DTYPES = (torch.bfloat16, torch.float16)
-ACC_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # weight-gradient accumulators (TMA reduce-add)
+ACC_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # weight-gradient accumulators (added in the epilogue)
 ALIGN = 8  # elements: QuACK's TMA/cp.async need 16-byte aligned rows (8 x 16-bit)
 MAX_EXPERTS = 65535  # SonicMoE's metadata limit; one varlen batch per expert
 _QUACK_ACT = {"swiglu": "swiglu", "geglu": "geglu"}
@@ -107,11 +107,12 @@ def _semaphore(device):
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def _heuristic_launch(gemm: str, F: int, D: int, tiles: tuple, device, accumulate: bool = False):
+def _heuristic_launch(gemm: str, F: int, D: int, tiles: tuple, device, main_grad: str | None = None):
     """(tile config, tile counter) of a GEMM launched now under the heuristic tuning: the counter (zeroed) when
-    the launch uses the dynamic tile scheduler (``_dynamic``), else None."""
+    the launch uses the dynamic tile scheduler (``_dynamic``), else None. ``main_grad``: "add" / "store" for a
+    weight GEMM writing into a caller's accumulator."""
     dynamic = _dynamic()
-    return heuristic_config(gemm, F, D, tiles, dynamic, accumulate), (_semaphore(device) if dynamic else None)
+    return heuristic_config(gemm, F, D, tiles, dynamic, main_grad), (_semaphore(device) if dynamic else None)
 
 
 def _gemm(
@@ -127,12 +128,14 @@ def _gemm(
     A_idx=None,
     concat_layout=None,
     add_to_output: bool = False,
+    main_grad: str | None = None,
 ):
-    """out = A @ B, or out += A @ B with ``add_to_output`` (QuACK's TMA reduce-add store: each element is
-    added once by the one tile that owns it, so the result is deterministic; not with varlen-M)."""
+    """out = A @ B, or out += A @ B with ``add_to_output`` (each element is added once, by the one tile that owns
+    it, so the result is deterministic; not with varlen-M). Under the heuristic tuning the epilogue loads out as
+    its C operand (``quack_adapter.gemm``); the autotune and default tunings take QuACK's ``gemm_add_inplace``."""
     options = kernel_options()
     if options.tuning == "heuristic":
-        config, sem = _heuristic_launch(gemm, F, D, options.tiles, A.device, add_to_output)
+        config, sem = _heuristic_launch(gemm, F, D, options.tiles, A.device, main_grad)
         args = (A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx, concat_layout, add_to_output)
         quack_adapter.gemm(config, sem, *args)
     else:
@@ -287,10 +290,12 @@ def backward_weights(
     dH_RG: torch.Tensor,
     meta: RoutingMetadata,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    accumulate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dW1 [E, 2F, D] in ``[gate ; up]`` row order, dW2 [E, D, F]); zeros for experts without rows.
     ``out=(dW1_acc, dW2_acc)`` (contiguous, fp32/bf16/fp16): the GEMMs ADD into them in their epilogue (no
-    separate add kernel, no temporary dW) and they are returned."""
+    separate add kernel, no temporary dW) and they are returned; with ``accumulate=False`` the GEMMs store into
+    them (no read of the old values: half the memory traffic of an fp32 add)."""
     E = meta.num_experts
     T, D = x_TD.shape
     F = aprime_RF.shape[1]
@@ -299,10 +304,13 @@ def backward_weights(
         check_weight_grad_out(out, ((E, 2 * F, D), (E, D, F)), dev, ACC_DTYPES)
     if meta.num_rows == 0 or T == 0:
         if out is not None:
+            if not accumulate:
+                out[0].zero_(), out[1].zero_()
             return out[0], out[1]
         return torch.zeros(E, 2 * F, D, dtype=dt, device=dev), torch.zeros(E, D, F, dtype=dt, device=dev)
-    add = out is not None
-    if add:
+    add = out is not None and accumulate
+    main_grad = None if out is None else ("add" if add else "store")
+    if out is not None:
         dw1_EGD, dw2_EDF = out
     else:
         dw1_EGD = torch.empty(E, 2 * F, D, dtype=dt, device=dev)
@@ -317,6 +325,7 @@ def backward_weights(
         cu_seqlens_k=meta.expert_offsets,
         A_idx=meta.x_gather_idx,
         add_to_output=add,
+        main_grad=main_grad,
     )
     # out (L, M=D, N=2F) is a transposed view of dw1_EGD; "out" in concat_layout writes the interleaved
     # gate/up columns of dH back as [gate ; up] rows.
@@ -331,5 +340,6 @@ def backward_weights(
         A_idx=meta.x_gather_idx,
         concat_layout=("out",),
         add_to_output=add,
+        main_grad=main_grad,
     )
     return dw1_EGD, dw2_EDF

@@ -1,0 +1,144 @@
+"""The router's fp32 logits (``moe_router_dtype='fp32'``) on bf16 tensor cores, within the fp32 GEMMs' error.
+
+Shape legend: T tokens, D hidden size, E experts, K a GEMM's reduction length, C chunks of it, p operand parts.
+
+Megatron computes fp32 router logits with fp32 GEMMs of the upcast input and weight, forward and backward
+(``router_gating_linear``). On Hopper those run on the CUDA cores: at T = 16384, D = 2048, E = 256 the three
+GEMMs and the casts around them take ~1.3 ms per layer step on an H100, 15-20 % of the whole MoE layer. Here all
+three run on the bf16 tensor cores, with two measures that keep every result within the fp32 GEMM's own error:
+
+* exact operands: an fp32 tensor v splits into bf16 parts v1 = bf16(v), v2 = bf16(v - v1), v3 = bf16(v - v1 - v2)
+  whose sum IS v (each holds the next 8 of fp32's 24 significand bits; bf16 has fp32's exponent range, so no
+  part overflows), and a product of two bf16 values is exact in fp32. An fp32 operand becomes its p parts,
+  stacked along the GEMM's M or K dimension (one GEMM);
+* short accumulations: the tensor cores' fp32 accumulation truncates, so its error grows linearly with the
+  reduction length, while the fp32 GEMM's grows like its square root. The reduction is cut into chunks (one
+  batched GEMM, fp32 partial results) that are then summed with round-to-nearest. Max error vs float64 relative
+  to the fp32 GEMM's, H100, D = 2048, T 8192 / 16384, E 128 / 256:
+      logits (K = D)   unchunked 7.7 / 2.0 (bf16 weight); chunks of 256: 1.0 / 0.24 (bf16), 0.52 / 0.17 (fp32)
+      dW     (K = T)   unchunked 19.5 / 20.0; chunks of 1024: 1.9 / 0.93, 512: 0.98 / 0.46, 256: 0.58 / 0.28
+  (at T = 512 one chunk of 512 gave 3.4: the chunk follows sqrt(T), ``wgrad_chunk``). Each GEMM's time falls
+  from 0.16 / 0.45 ms (fp32, with the casts) to 0.05 / 0.14 (logits) and from 0.15 / 0.44 to 0.10 / 0.21 (dW).
+
+    logits = x W^T      x bf16 (exact), W in 1 part (bf16, Megatron's Float16Module) or 3 (fp32), chunks of 256
+    dX     = dL W       returned in bf16: dL and W in 2 parts, the terms (1,1), (1,2), (2,1) as one GEMM over a
+                        K = 3E concatenation (the terms left out are ~2^-16 relative, below bf16's 2^-8)
+    dW     = dL^T x     dL in 3 parts stacked along M, chunks of ``wgrad_chunk(T)``, returned in W's dtype
+
+``tests/test_router_gemm.py`` checks all of them against float64 and against the fp32 GEMMs' error.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOGITS_CHUNK = 256  # reduction chunk of the logits GEMM (K = D)
+
+
+def wgrad_chunk(num_tokens: int) -> int:
+    """Reduction chunk of the weight-gradient GEMM (K = T): the power of two at or below 4 sqrt(T) in [64, 512]
+    (error ~0.5x the fp32 GEMM's at T = 8192 and 16384, see the module docstring)."""
+    bound = int(4 * max(num_tokens, 1) ** 0.5)
+    return min(512, max(64, 1 << (bound.bit_length() - 1)))
+
+
+def split_bf16(v: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """``parts`` bf16 tensors whose sum is the fp32 tensor ``v`` to 2^-(8 * parts) relative (exact for 3)."""
+    out, rest = [], v.float()
+    for i in range(parts):
+        part = rest.to(torch.bfloat16)
+        out.append(part)
+        if i + 1 < parts:
+            rest = rest - part.float()
+    return out
+
+
+def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 a @ b (batched) of bf16 operands with fp32 accumulation: cuBLAS's bf16 GEMM with fp32 output on
+    CUDA, the upcast product elsewhere (exact products, fp32 sums)."""
+    if a.is_cuda:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
+
+
+def chunked_mm_fp32(a_MK: torch.Tensor, b_KN: torch.Tensor, chunk: int) -> torch.Tensor:
+    """fp32 a @ b for bf16 a [M, K] (unit stride along K) and b [K, N] (contiguous): the products of each K
+    chunk accumulated on the tensor cores, the chunks' fp32 partial results summed with round-to-nearest."""
+    M, K = a_MK.shape
+    C, rest = divmod(K, chunk)
+    parts = []
+    if C:
+        a_CMk = a_MK[:, : C * chunk].view(M, C, chunk).transpose(0, 1)
+        parts.append(_bmm_fp32(a_CMk, b_KN[: C * chunk].view(C, chunk, -1)).sum(0))
+    if rest or not C:
+        parts.append(_bmm_fp32(a_MK[:, C * chunk :].unsqueeze(0), b_KN[C * chunk :].unsqueeze(0))[0])
+    return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+
+def _sum_parts(stacked: torch.Tensor, parts: int, dim: int) -> torch.Tensor:
+    """Sum of the ``parts`` equal blocks of ``stacked`` along ``dim``, smallest (last) first."""
+    blocks = stacked.chunk(parts, dim=dim)
+    total = blocks[-1]
+    for block in reversed(blocks[:-1]):
+        total = total + block
+    return total
+
+
+class RouterLogits(torch.autograd.Function):
+    """logits_TE = x_TD @ w_ED^T (+ bias_E) in fp32 (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, w_ED: torch.Tensor, bias_E: torch.Tensor | None) -> torch.Tensor:
+        lead, D = x_TD.shape[:-1], x_TD.shape[-1]
+        x2_TD = x_TD.reshape(-1, D)
+        w_parts = [w_ED] if w_ED.dtype == torch.bfloat16 else split_bf16(w_ED, 3)
+        w_DP = torch.cat(w_parts, dim=0).t().contiguous()  # [D, p * E]
+        logits_TE = _sum_parts(chunked_mm_fp32(x2_TD, w_DP, LOGITS_CHUNK), len(w_parts), dim=1)
+        if bias_E is not None:
+            logits_TE = logits_TE + bias_E.float()
+        ctx.save_for_backward(x2_TD, w_ED)
+        ctx.has_bias, ctx.lead = bias_E is not None, lead
+        return logits_TE.reshape(*lead, -1)
+
+    @staticmethod
+    def backward(ctx, dlogits: torch.Tensor):
+        x2_TD, w_ED = ctx.saved_tensors
+        E = w_ED.shape[0]
+        dl_TE = dlogits.reshape(-1, E).float()
+        dl_parts = split_bf16(dl_TE, 3)
+        dx = dw = dbias = None
+        if ctx.needs_input_grad[0]:
+            dl1, dl2 = dl_parts[:2]  # the 2-part split of dL is the 3-part split's first two parts
+            if w_ED.dtype == torch.bfloat16:
+                a_TK, b_KD = torch.cat([dl1, dl2], dim=1), torch.cat([w_ED, w_ED], dim=0)
+            else:
+                w1, w2 = split_bf16(w_ED, 2)
+                a_TK, b_KD = torch.cat([dl1, dl1, dl2], dim=1), torch.cat([w1, w2, w1], dim=0)
+            dx = _bmm_fp32(a_TK.unsqueeze(0), b_KD.unsqueeze(0))[0].to(x2_TD.dtype)
+            dx = dx.reshape(*ctx.lead, x2_TD.shape[1])
+        if ctx.needs_input_grad[1]:
+            dl_PT = torch.cat(dl_parts, dim=1).t().contiguous()  # [3E, T]
+            chunk = wgrad_chunk(x2_TD.shape[0])
+            dw = _sum_parts(chunked_mm_fp32(dl_PT, x2_TD.contiguous(), chunk), 3, dim=0).to(w_ED.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            dbias = dl_TE.sum(0)
+        return dx, dw, dbias
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``x @ weight^T + bias`` for a bf16 ``x`` and a bf16 or fp32 ``weight`` (see the module docstring)."""
+    return RouterLogits.apply(x, weight, bias)
+
+
+def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, router_dtype: str | None) -> str | None:
+    """None when ``router_logits`` computes this router's logits, else why Megatron's ``router_gating_linear``
+    does."""
+    if router_dtype != "fp32":
+        return f"moe_router_dtype={router_dtype!r} (tensor-core path: 'fp32')"
+    if x.dtype != torch.bfloat16:
+        return f"input dtype {x.dtype} (tensor-core path: bfloat16; fp16 parts would overflow)"
+    if weight.dtype not in (torch.bfloat16, torch.float32):
+        return f"router weight dtype {weight.dtype} (tensor-core path: bfloat16 or float32)"
+    if not x.is_cuda or weight.device != x.device:
+        return "input and router weight not on the same CUDA device"
+    return None
