@@ -71,6 +71,18 @@ def _bad(rank, P, case):
         exp = torch.tensor([2, 2, 3]) if rank == 1 else torch.tensor([2, 3, 4])
         a["routing"] = FlatRouting(tok, exp, torch.rand(3, dtype=torch.float64), T)
         kw = dict(rounding=TokenRounding("up", 4), rounding_scores_TE=a["probs"])
+    elif case == "rounding_expert_index_out_of_range":  # rounding runs before the header check: no fault
+        a = _inputs(rank, P)
+        if rank == 1:
+            idx = a["routing"].indices_TK.clone()
+            idx[0, 0] = E
+            a["routing"] = TopKRouting(a["routing"].scores_TK, idx)
+        kw = dict(rounding=TokenRounding("up", 4), rounding_scores_TE=a["probs"])
+    elif case == "rounding_flat_tokens_out_of_range":
+        a = _inputs(rank, P)
+        tok = torch.tensor([0, 1, 2, 3 + T * (rank == 1)])
+        a["routing"] = FlatRouting(tok, torch.tensor([0, 1, 2, 3]), torch.rand(4, dtype=torch.float64), T)
+        kw = dict(rounding=TokenRounding("up", 4), rounding_scores_TE=a["probs"])
     elif case == "rounding_differs":
         a = _inputs(rank, P)
         kw = dict(rounding=TokenRounding("up" if rank == 1 else "down", 4), rounding_scores_TE=a["probs"])
@@ -100,6 +112,8 @@ CASES = {  # case -> words the message must contain
     "flat_tokens_unsorted": ["rank 1", "sorted"],
     "rounding_without_scores": ["rank 1", "rounding_scores_TE"],
     "rounding_duplicate_pairs": ["rank(s) [1]", "unique"],
+    "rounding_expert_index_out_of_range": ["rank 1", "expert indices", str(E)],
+    "rounding_flat_tokens_out_of_range": ["rank 1", "sorted", f"[0, T = {T})"],
     "rounding_differs": ["rounding mode", "differs"],
     "num_chunks_differs": ["num_chunks", "differs"],
     "by_source_differs": ["by_source", "differs"],

@@ -214,3 +214,132 @@ def test_ep_rounding_equals_single_process(ep_rounding, name):
         for n, a, b in zip(("out", "dx", "dlogits", "dw1", "dw2"), r[name]["grads"], want, strict=True):
             tol = 1e-12 * max(b.abs().max().item() if b.numel() else 0.0, 1.0)
             assert (a - b).abs().max().item() <= tol if b.numel() else a.numel() == 0, f"rank {rank} {n}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# EP: rounding costs no host sync of its own
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _sync_count_worker(rank, P):
+    from sonic_megatron.token_dispatch.launch_count import LaunchCounter
+
+    p = problem([9 + 7 * r for r in range(P)], seed=3)
+    T_r = p["T_r"]
+    off, T = sum(T_r[:rank]), T_r[rank]
+    probs, routing = probs_and_routing(p["logits"][off : off + T])
+    out = {}
+    for name, rounding in (("plain", None), ("rounded", TokenRounding("nearest", 4))):
+        kw = dict(num_experts=E, group=dist.group.WORLD, rounding=rounding, rounding_scores_TE=probs, num_chunks=2)
+        make_plan(routing, **kw)  # warm-up
+        with LaunchCounter() as lc:
+            plan = make_plan(routing, **kw)
+        out[name] = (lc.summary(), [k for k, _, _ in lc.events if k != "launch"], plan.rounding is not None)
+    return out
+
+
+def test_ep_rounding_plan_has_the_one_host_sync_of_a_plan_without_rounding():
+    """At EP = 2 the rounded plan syncs once, as the plan without rounding (it used to sync 4 times: header,
+    duplicate flags, ``nonzero`` for the rounded pair count, the counts exchange again): its candidate
+    all-gather travels before the header + counts all-gather, device to device."""
+    for res in run_distributed(_sync_count_worker, 2):
+        (plain, plain_kinds, _), (rounded, kinds, applied) = res["plain"], res["rounded"]
+        assert applied
+        assert plain["syncs"] == 1 and rounded["syncs"] == plain["syncs"], (plain, rounded)
+        # candidates, header + counts, the sync, then the N = 2 pair all-to-alls (as without rounding)
+        assert kinds == ["collective", *plain_kinds], (kinds, plain_kinds)
+        assert plain_kinds == ["collective", "sync", "collective", "collective"], plain_kinds
+
+
+def _duplicates_worker(rank, P, case):
+    from sonic_megatron.token_dispatch import EPInputError
+    from sonic_megatron.token_dispatch.launch_count import LaunchCounter
+
+    T = 6
+    probs = torch.randn(T, E, generator=torch.Generator().manual_seed(rank), dtype=torch.float64).softmax(-1)
+    tok, exp = torch.tensor([0, 1, 2]), torch.tensor([2, 3, 4])
+    if rank == 1:  # (0, 2) twice
+        tok, exp = torch.tensor([0, 0, 1]), torch.tensor([2, 2, 3])
+    if case == "and_bad_index" and rank == 0:  # E is clamped to E - 1 before rounding: reported, not a duplicate
+        tok, exp = torch.tensor([0, 1, 1]), torch.tensor([2, E - 1, E])
+    routing = FlatRouting(tok, exp, torch.rand(3, dtype=torch.float64), T)
+    kw = dict(num_experts=E, group=dist.group.WORLD, rounding=TokenRounding("up", 4), rounding_scores_TE=probs)
+    msg = None
+    with LaunchCounter() as lc:
+        try:
+            make_plan(routing, **kw)
+        except EPInputError as exc:
+            msg = str(exc)
+    # The group is still in step: a valid plan afterwards works on every rank.
+    plan = make_plan(TopKRouting(*probs.topk(K, dim=-1)), **kw)
+    return msg, lc.summary()["syncs"], bool(plan.recv_scores().isfinite().all())
+
+
+@pytest.mark.parametrize("case", ["alone", "and_bad_index"])
+def test_ep_rounding_duplicate_pairs_raise_on_every_rank_in_the_one_sync(case):
+    """Duplicate (token, expert) pairs on rank 1 raise EPInputError on every rank naming rank 1, from the plan's
+    header check (no sync of their own); rank 0's out-of-range index is reported as such, not as a duplicate."""
+    for rank, (msg, syncs, ok) in enumerate(run_distributed(_duplicates_worker, 2, case)):
+        assert msg is not None, f"rank {rank} did not raise"
+        assert "rank(s) [1] must be unique" in msg, (rank, msg)
+        assert ("rank 0: routing expert indices" in msg) == (case == "and_bad_index"), (rank, msg)
+        assert syncs == 1, (rank, syncs)
+        assert ok
+
+
+def test_single_process_duplicate_pairs_raise():
+    from sonic_megatron.token_dispatch import EPInputError
+
+    probs = torch.rand(3, E, dtype=torch.float64)
+    tok, exp, sc = torch.tensor([0, 0, 1]), torch.tensor([2, 2, 3]), torch.rand(3, dtype=torch.float64)
+    with pytest.raises(EPInputError, match=r"rank\(s\) \[0\] must be unique"):
+        round_routing(tok, exp, sc, probs, num_experts=E, rounding=TokenRounding("up", 4))
+    with pytest.raises(EPInputError, match=r"rank\(s\) \[0\] must be unique"):
+        make_plan(
+            FlatRouting(tok, exp, sc, 3), num_experts=E, rounding=TokenRounding("up", 4), rounding_scores_TE=probs
+        )
+
+
+@pytest.mark.parametrize("N", [1, 3])
+def test_padded_send_side_equals_the_unpadded_one(N):
+    """Padding pairs (token T, expert E) after the real pairs go nowhere: the send side of the real pairs is
+    bitwise that of the unpadded pairs, and no count includes the padding."""
+    from sonic_megatron.token_dispatch.send_side import send_side_torch
+
+    T, P = 11, 4
+    g = torch.Generator().manual_seed(N)
+    routed_TE = torch.rand(T, E, generator=g) < 0.3
+    tok, exp = routed_TE.nonzero(as_tuple=True)
+    sc = torch.rand(tok.numel(), generator=g)
+    R, pad = tok.numel(), 5
+    padded = [
+        torch.cat([tok, torch.full((pad,), T)]),
+        torch.cat([exp, torch.full((pad,), E)]),
+        torch.cat([sc, torch.zeros(pad)]),
+    ]
+    want = send_side_torch(tok, exp, sc, T, E // P, P, N)
+    got = send_side_torch(*padded, T, E // P, P, N, padded=True)
+    S = int(want.rows_NP.sum())
+    assert torch.equal(got.rows_NP, want.rows_NP) and torch.equal(got.pairs_NP, want.pairs_NP)
+    assert torch.equal(got.order[:R], want.order) and torch.equal(got.pair_meta_RC[:R], want.pair_meta_RC)
+    assert torch.equal(got.send_token_idx_R[:S], want.send_token_idx_R[:S])
+    assert torch.equal(got.combine_order_R[:S], want.combine_order_R[:S])
+    assert torch.equal(got.combine_offsets, want.combine_offsets)
+
+
+def test_padded_rounding_is_the_reference_then_padding():
+    """``round_routing_padded``: the reference's pairs first, then padding (T, E, 0), ``rounded_pairs_bound`` long."""
+    from sonic_megatron.token_dispatch.rounding import round_routing_padded, rounded_pairs_bound
+
+    p = problem([40], seed=2, ties=True)
+    probs, routing = probs_and_routing(p["logits"], ties=True)
+    rounding = TokenRounding("nearest", 8)
+    ref = round_routing(*flat_pairs(routing), probs, num_experts=E, rounding=rounding)
+    got, dup_P = round_routing_padded(*flat_pairs(routing), probs, num_experts=E, rounding=rounding)
+    n, T = ref.token_idx_R.numel(), 40
+    assert got.token_idx_R.numel() == rounded_pairs_bound(40 * K, T, E, 8) and not bool(dup_P.any())
+    assert torch.equal(got.token_idx_R[:n], ref.token_idx_R) and torch.equal(got.expert_idx_R[:n], ref.expert_idx_R)
+    assert torch.equal(got.scores_R[:n], ref.scores_R)
+    assert bool(
+        (got.token_idx_R[n:] == T).all() and (got.expert_idx_R[n:] == E).all() and (got.scores_R[n:] == 0).all()
+    )

@@ -9,8 +9,9 @@ What counts as a launch: every aten op the dispatcher reaches (after autograd an
 as on CUDA) except views, allocations (``empty``/``new_empty``: no kernel) and ops returning no tensor.
 ``lift_fresh`` (a tensor built from a host list) counts, because on a GPU a host-to-device copy follows it.
 Collectives are the ``c10d`` ops; a host sync is ``Tensor.tolist()`` / ``.item()`` (they wait for the
-device). Triton kernels launched from Python are not aten ops: the CUDA path replaces some aten chains by
-them, so CPU counts are those of the PyTorch path (the reference), an upper bound of the CUDA launches.
+device) or ``nonzero`` (its output size is data on the device: the host waits for it). Triton kernels launched
+from Python are not aten ops: the CUDA path replaces some aten chains by them, so CPU counts are those of the
+PyTorch path (the reference), an upper bound of the CUDA launches.
 "``launches_sync_to_row_a2a``": launches after the last host sync and before the first all-to-all of a
 floating 2-D tensor (token rows): the host work that an idle GPU waits for before the first big transfer.
 Ops run while ``region(name)`` is active are tallied under that name as well (e.g. the experts' kernels).
@@ -24,6 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _ALLOCATIONS = {"empty", "new_empty", "empty_strided", "new_empty_strided", "empty_like"}
+_SIZED_BY_DATA = {"nonzero"}  # ops whose output size the host must read from the device
 
 
 class LaunchCounter(TorchDispatchMode):
@@ -46,6 +48,8 @@ class LaunchCounter(TorchDispatchMode):
             self.events.append((kind, name, self._region))
         elif name == "_local_scalar_dense":
             self.events.append(("sync", "item", self._region))
+        elif name in _SIZED_BY_DATA:
+            self.events.append(("sync", name, self._region))
         elif not (func.is_view or name in _ALLOCATIONS or not _returns_tensor(func)):
             self.events.append(("launch", f"{ns}.{name}", self._region))
         return func(*args, **kwargs)

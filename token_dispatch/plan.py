@@ -9,13 +9,19 @@ receiver turns them into routing metadata over its L local experts whose "tokens
 ``make_plan`` reads top to bottom -- the host sync drains the GPU queue, so as little as possible comes after it:
   1. route: check this rank's inputs (the error, if any, travels in the header: every rank raises together),
      flatten the routing;
-  2. send side (``send_side.py``), on the device before the sync, sized by R and sliced after it;
-  3. sizes (``sizes.py``): ONE all-gather of header + per (chunk, destination) counts, the caller's
+  2. rounding, decided here and nowhere else (``round_routing_padded``), on the device before the sync: one
+     candidate all-gather (device to device) and a padded routing of a host-known size (real pairs first, then
+     padding pairs of token T and expert E); its duplicate-pair flag rides in the header. A rank with bad input
+     still joins the all-gather (with no pairs), and indices the header will report are clamped first: that
+     rounding is discarded when the header check raises. The all-gather's size [E, 3 + 4 * tile] must agree on
+     every rank: ranks that disagree on E, the tile or whether to round at all break that collective before the
+     header can report it;
+  3. send side (``send_side.py``), on the device before the sync, sized by R (the padded size with rounding:
+     padding pairs have no destination and count nothing) and sliced after it;
+  4. sizes (``sizes.py``): ONE all-gather of header + per (chunk, destination) counts, the caller's
      ``before_sync`` while it travels (``ep_forward_backward`` launches the previous micro-batch's dO all-to-all
-     there), ONE host copy, the header check;
-  4. rounding, decided here and nowhere else (``round_routing``): after the header check (bad input fails
-     before rounding) the routing is rounded (one candidate all-gather, two host syncs), then the send side
-     and the counts exchange (a host sync) run again on the rounded pairs;
+     there), ONE host copy, the header check -- the plan's one host sync, with or without rounding; the real
+     rounded pair count is this rank's sent pair count, so the padding is cut off with no further sync;
   5. receive side (``recv_side.py``): the pair-metadata all-to-alls (one per chunk) are launched and NOT waited
      for; the caller launches its row all-to-alls and only then touches ``plan.recv_meta`` /
      ``plan.recv_scores()``, which wait for them and build the receive metadata while the rows travel.
@@ -24,7 +30,7 @@ receiver turns them into routing metadata over its L local experts whose "tokens
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -33,9 +39,9 @@ from . import validation as V
 from .comm import group_fingerprint, group_rank, group_size
 from .options import EPOptions, parse_options
 from .recv_side import IncomingPairs, launch_pair_all_to_alls, recv_metadata, scores_from_columns
-from .rounding import RoundingResult, round_routing
+from .rounding import RoundingResult, TokenRounding, round_routing_padded
 from .send_side import build_send_side, flat_routing
-from .sizes import counts_slot, exchange_counts, exchange_header_and_counts, pair_base, split_sizes
+from .sizes import counts_slot, exchange_header_and_counts, pair_base, split_sizes
 
 
 @dataclass
@@ -285,10 +291,18 @@ def plan_layer(
     device = (routing.indices_TK if isinstance(routing, TopKRouting) else routing.token_idx_R).device
     N = options.num_chunks if error is None else 1
     L = max(num_experts // P, 1) if error is None else 1
-    stats = None
+    stats = tok_R = exp_R = scores_R = None
     if error is None:
         tok_R, exp_R, scores_R = flat_routing(routing)
         stats = V.index_stats(tok_R, exp_R, T, isinstance(routing, FlatRouting))
+    # 2. rounding: the one place that decides it, on the device (the candidate all-gather rides before step 4)
+    rounded = duplicates = None
+    if rounding is not None:
+        rounded, duplicates = _round_on_device(
+            tok_R, exp_R, scores_R, rounding_scores_TE, T, num_experts, rounding, group, device
+        )
+        if error is None:
+            tok_R, exp_R, scores_R = rounded.token_idx_R, rounded.expert_idx_R, rounded.scores_R
     hdr = V.header(
         error=error is not None,
         num_tokens=T,
@@ -304,14 +318,15 @@ def plan_layer(
         activation=options.activation,
         top_k=routing.indices_TK.shape[-1] if isinstance(routing, TopKRouting) else -1,
         index_stats=stats,
+        duplicate_pairs=duplicates,
         device=device,
     )
-    # 2. send side, before the sync (with rounding it follows the rounded pairs, step 4)
+    # 3. send side, before the sync (rounded: padding pairs go nowhere)
     side = None
-    if error is None and rounding is None:
-        topk = routing if isinstance(routing, TopKRouting) else None
-        side = build_send_side(tok_R, exp_R, scores_R, T, L, P, N, topk)
-    # 3. sizes: header + counts, the one host sync of a plan without rounding
+    if error is None:
+        topk = routing if isinstance(routing, TopKRouting) and rounding is None else None
+        side = build_send_side(tok_R, exp_R, scores_R, T, L, P, N, topk, padded=rounding is not None)
+    # 4. sizes: header + counts, the one host sync of a plan (with or without rounding)
     counts_host, counts_PW = exchange_header_and_counts(
         hdr,
         counts_slot(side, P, N, device),
@@ -320,17 +335,12 @@ def plan_layer(
         num_experts=num_experts,
         before_sync=before_sync,
     )
-    # 4. rounding: the one place that decides it
-    rounded = None
-    if rounding is not None:
-        rounded = round_routing(
-            tok_R, exp_R, scores_R, rounding_scores_TE, num_experts=num_experts, rounding=rounding, group=group
-        )
-        tok_R, exp_R, scores_R = rounded.token_idx_R, rounded.expert_idx_R, rounded.scores_R
-        side = build_send_side(tok_R, exp_R, scores_R, T, L, P, N)
-        counts_host, counts_PW = exchange_counts(counts_slot(side, P, N, device), group)  # host sync
     sizes = split_sizes(counts_host, counts_PW, rank=rank, num_chunks=N)
     S = sum(map(sum, sizes.send_rows))
+    R = sum(map(sum, sizes.send_pairs))  # every real pair is sent (to this rank too); padding pairs are not
+    if rounded is not None:  # the real rounded pairs come first: cut the padding off, on the host
+        tok_R, exp_R, scores_R = tok_R[:R], exp_R[:R], scores_R[:R]
+        rounded = replace(rounded, token_idx_R=tok_R, expert_idx_R=exp_R, scores_R=scores_R)
     plan = EPPlan(
         group=group,
         rank=rank,
@@ -343,7 +353,7 @@ def plan_layer(
         expert_idx_R=exp_R,
         scores_R=scores_R,
         send_token_idx_S=side.send_token_idx_R[:S],
-        send_pair_idx=side.order,
+        send_pair_idx=side.order[:R],
         combine_order_S=side.combine_order_R[:S],
         combine_offsets=side.combine_offsets,
         send_rows=sizes.send_rows,
@@ -358,3 +368,34 @@ def plan_layer(
         side.pair_meta_RC, sizes.send_pairs, sizes.recv_pairs, sizes.counts_PW, group
     )
     return plan
+
+
+def _round_on_device(
+    tok_R: torch.Tensor | None,
+    exp_R: torch.Tensor | None,
+    scores_R: torch.Tensor | None,
+    rounding_scores_TE: torch.Tensor | None,
+    T: int,
+    num_experts: int,
+    rounding: TokenRounding,
+    group,
+    device: torch.device,
+) -> tuple[RoundingResult, torch.Tensor]:
+    """Step 2: (the padded rounding of this rank's pairs, its 0-d duplicate-pair flag) with no host sync.
+
+    It runs before the header check, so it must neither hang nor fault on bad input: a rank whose local check
+    failed (``tok_R`` None) joins the candidate all-gather with no pairs and no tokens, and indices the header
+    will report as out of range are clamped into range (a device gather must not fault). Either way the header
+    check then raises on every rank and the result is never used."""
+    E = num_experts if isinstance(num_experts, int) and num_experts > 0 else 0
+    if tok_R is None:  # a bad rank: no pairs, no tokens
+        tok_R = exp_R = torch.zeros(0, dtype=torch.int64, device=device)
+        scores_R, rounding_scores_TE = torch.zeros(0, device=device), torch.zeros((0, E), device=device)
+    elif T == 0:  # no tokens: any pair is out of range
+        tok_R, exp_R, scores_R = tok_R[:0], exp_R[:0], scores_R[:0]
+    else:
+        tok_R, exp_R = tok_R.clamp(0, T - 1), exp_R.clamp(0, E - 1)
+    rounded, duplicates_P = round_routing_padded(
+        tok_R, exp_R, scores_R, rounding_scores_TE, num_experts=E, rounding=rounding, group=group
+    )
+    return rounded, duplicates_P[group_rank(group)] != 0

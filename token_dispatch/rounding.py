@@ -13,12 +13,15 @@ expert's rows come from all P source ranks, so the decision must be global:
      t_e > f_e: add the t_e - f_e tokens with the highest ``rounding_scores_TE[:, e]`` that did not route to e;
   4. each rank contributes its M lowest routed and M highest non-routed candidates per expert (enough,
      since fewer than M move); one all-gather of [P, E, 3 + 4M] float64 (counts, T, a duplicate-pair flag,
-     scores and token ids)
-     gives every rank the same candidate lists, and a stable sort gives the same cut everywhere with the
-     tie-break (score, rank, token index) -- the order of the global token index on the concatenation, so
-     the result equals single-process rounding of the concatenated tokens (``group=None``);
+     scores and token ids), device to device, gives every rank the same candidate lists, and a stable sort
+     gives the same cut everywhere with the tie-break (score, rank, token index) -- the order of the global
+     token index on the concatenation, so the result equals single-process rounding of the concatenated
+     tokens (``group=None``);
   5. dropped pairs vanish; added pairs take ``rounding_scores_TE[t, e]`` as their score (with autograd),
-     kept pairs keep their routing score.
+     kept pairs keep their routing score. A sort of the kept and added pairs' (token, expert) keys gives a
+     padded routing of a host-known size (``rounded_pairs_bound``), real pairs first: ``round_routing_padded``
+     (no host sync; ``make_plan``'s). ``round_routing`` reads the flags and the real pair count back (one host
+     copy), raises for duplicates on every rank and returns the pairs unpadded.
 Drops are ranked by the pair's routing score (e.g. the renormalised top-K prob), additions by the dense
 router probability, as in SonicMoE's TC-first score matrix. Routed (token, expert) pairs must be unique.
 
@@ -31,13 +34,13 @@ and the kernels skip those.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..kernels.routing import FlatRouting, TopKRouting
-from .comm import all_gather, group_rank, group_size
-from .validation import EPInputError
+from .comm import all_gather, group_rank
+from .validation import EPInputError, duplicate_pairs_message
 
 ROUNDING_MODES = ("nearest", "up", "down")
 
@@ -64,7 +67,8 @@ class TokenRounding:
 
 @dataclass(frozen=True)
 class RoundingResult:
-    """The rounded routing of this rank (flat, sorted by token then expert) and the global decision."""
+    """The rounded routing of this rank (flat, sorted by token then expert; padded after its real pairs where
+    ``round_routing_padded`` returns it) and the global decision."""
 
     token_idx_R: torch.Tensor  # int64 [R']
     expert_idx_R: torch.Tensor  # int64 [R']
@@ -104,35 +108,106 @@ def round_routing(
         rounding: the mode and tile.
         group: EP process group (``None``: single process, i.e. the reference on concatenated tokens).
 
-    Host syncs: the candidate all-gather is device-to-device; reading the duplicate flags of all ranks
-    back (a few bytes, so that all ranks raise together) and the rounded pair count (``nonzero``: it sizes
-    the dispatch buffers) are the syncs.
+    Returns the rounded pairs unpadded. Host syncs: the candidate all-gather is device-to-device; ONE host copy
+    reads every rank's duplicate flag (so that all ranks raise together) and this rank's rounded pair count (it
+    sizes the result). ``make_plan`` calls ``round_routing_padded`` instead (no host sync: the duplicate flag
+    rides in its header, the padding pairs are left out of its counts).
     """
+    res, duplicates_P = round_routing_padded(
+        token_idx_R, expert_idx_R, scores_R, rounding_scores_TE, num_experts=num_experts, rounding=rounding, group=group
+    )
+    real_R = res.expert_idx_R < num_experts  # padding pairs have expert E
+    *dup_P, num_pairs = torch.cat([duplicates_P.long(), real_R.sum().reshape(1)]).tolist()  # the host sync
+    if any(dup_P):
+        raise EPInputError(duplicate_pairs_message([r for r, d in enumerate(dup_P) if d]))
+    return replace(
+        res,
+        token_idx_R=res.token_idx_R[:num_pairs],
+        expert_idx_R=res.expert_idx_R[:num_pairs],
+        scores_R=res.scores_R[:num_pairs],
+    )
+
+
+def round_routing_padded(
+    token_idx_R: torch.Tensor,
+    expert_idx_R: torch.Tensor,
+    scores_R: torch.Tensor,
+    rounding_scores_TE: torch.Tensor,
+    *,
+    num_experts: int,
+    rounding: TokenRounding,
+    group=None,
+) -> tuple[RoundingResult, torch.Tensor]:
+    """``round_routing`` without a host sync: (the result with its pairs padded to ``rounded_pairs_bound(R, T, E,
+    tile)``, every rank's duplicate-pair flag [P] float64 on the device). The real pairs come first, sorted by
+    (token, expert) as ``round_routing``'s, then padding pairs (token T, expert E, score 0). Nothing checks the
+    flags here: the caller must (``make_plan`` sends this rank's in its header). Arguments as ``round_routing``."""
     T, E, M = rounding_scores_TE.shape[0], num_experts, rounding.tile
-    P, rank = group_size(group), group_rank(group)
-    device = rounding_scores_TE.device
     tok, exp = token_idx_R.long(), expert_idx_R.long()
-    R = tok.numel()
-    # Dense pair index (-1: not routed). T x E int64 is small next to the layer's activations.
-    pidx_TE = torch.full((T, E), -1, dtype=torch.int64, device=device)
-    pidx_TE[tok, exp] = torch.arange(R, device=device)
-    routed_TE = pidx_TE >= 0
+    rank = group_rank(group)
+    cand_EC, routed_TE = _candidates(tok, exp, scores_R, rounding_scores_TE, E, M)
+    all_PE = all_gather(cand_EC, group)  # the one extra collective of rounding (device to device)
+
+    f_E = all_PE[:, :, 0].sum(0).long()
+    total_tokens = all_PE[:, 0, 1].sum().long()
+    t_E = _targets(f_E, total_tokens, rounding)
+    delta_E = t_E - f_E
+    C = _CAND_COLS
+    drop_tok_EW = _cut(all_PE[:, :, C : C + M], all_PE[:, :, C + M : C + 2 * M], (-delta_E).clamp(min=0), False, rank)
+    add_tok_EW = _cut(all_PE[:, :, C + 2 * M : C + 3 * M], all_PE[:, :, C + 3 * M :], delta_E.clamp(min=0), True, rank)
+    # This rank's dropped pairs, marked in a dense [T + 1, E] (row T: the entries not taken).
+    e_EW = torch.arange(E, device=tok.device).unsqueeze(1).expand_as(drop_tok_EW)
+    dropped_TE = torch.zeros((T + 1, E), dtype=torch.bool, device=tok.device)
+    dropped_TE[torch.where(drop_tok_EW >= 0, drop_tok_EW, T), e_EW] = True
+    dropped_R = dropped_TE[tok, exp]
+    added_EW = add_tok_EW >= 0
+    # Keys token * (E + 1) + expert: kept pairs and this rank's added pairs; dropped / not taken ones get the pad.
+    pad = T * (E + 1) + E
+    keys = torch.cat(
+        [
+            torch.where(dropped_R, pad, tok * (E + 1) + exp),
+            torch.where(added_EW, add_tok_EW * (E + 1) + e_EW, pad).reshape(-1),
+        ]
+    )
+    scores_all = torch.cat([scores_R, _added_scores(rounding_scores_TE, add_tok_EW, scores_R.dtype)])
+    rounded = _pairs_from_keys(keys, scores_all, T, E, rounded_pairs_bound(tok.numel(), T, E, M))
+    result = RoundingResult(
+        token_idx_R=rounded.token_idx_R,
+        expert_idx_R=rounded.expert_idx_R,
+        scores_R=rounded.scores_R,
+        counts_before_E=f_E,
+        counts_after_E=t_E,
+        dropped=dropped_R.sum(),
+        added=added_EW.sum(),
+    )
+    return result, all_PE[:, 0, 2]
+
+
+# Candidate columns: count, T, duplicate-pair flag, then four blocks of M: drop scores, drop tokens, add scores,
+# add tokens.
+_CAND_COLS = 3
+
+
+def _candidates(tok, exp, scores_R, rounding_scores_TE, E, M) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's row of the candidate all-gather [E, 3 + 4M] float64, the routed mask [T, E]): the routed
+    count, T, the duplicate flag, the M lowest routed and the M highest non-routed candidates of each expert."""
+    T, device, R = rounding_scores_TE.shape[0], rounding_scores_TE.device, tok.numel()
+    # Dense routed mask. T x E is small next to the layer's activations.
+    routed_TE = torch.zeros((T, E), dtype=torch.bool, device=device)
+    routed_TE[tok, exp] = True
     counts_E = routed_TE.sum(0)
 
     k = min(M, T)
-    s_routed = scores_R.detach().double()
     inf = float("inf")
     # Drop candidates: lowest routed scores; a stable sort over tokens breaks ties by token index.
     drop_key_ET = torch.full((E, T), inf, dtype=torch.float64, device=device)
-    drop_key_ET[exp, tok] = s_routed
+    drop_key_ET[exp, tok] = scores_R.detach().double()
     drop_s, drop_t = torch.sort(drop_key_ET, dim=1, stable=True)
     # Add candidates: highest dense scores among non-routed tokens (descending, ties by token index).
     add_key_ET = rounding_scores_TE.detach().double().t().masked_fill(routed_TE.t(), -inf)
     add_s, add_t = torch.sort(add_key_ET, dim=1, descending=True, stable=True)
 
-    # Columns: count, T, duplicate-pair flag, then four blocks of M: drop scores, drop tokens, add scores,
-    # add tokens.
-    C = 3
+    C = _CAND_COLS
     pack = torch.full((E, C + 4 * M), -1.0, dtype=torch.float64, device=device)
     pack[:, 0] = counts_E.double()
     pack[:, 1] = float(T)
@@ -146,54 +221,30 @@ def round_routing(
     pack[:, C + 2 * M : C + 3 * M] = -inf
     pack[:, C + 2 * M : C + 2 * M + k] = torch.where(add_valid, add_s[:, :k], -inf)
     pack[:, C + 3 * M : C + 3 * M + k] = torch.where(add_valid, add_t[:, :k].double(), -1.0)
-    all_PE = all_gather(pack, group)  # the one extra collective of rounding
+    return pack, routed_TE
 
-    f_E = all_PE[:, :, 0].sum(0).long()
-    total_tokens = all_PE[:, 0, 1].sum().long()
-    t_E = _targets(f_E, total_tokens, rounding)
-    delta_E = t_E - f_E
 
-    def cut(scores_P_EM, tokens_P_EM, descending, n_E):
-        # Candidates in (rank, per-rank order) order; a stable sort on score keeps (rank, token) for ties.
-        s_E_PM = scores_P_EM.permute(1, 0, 2).reshape(E, P * M)
-        t_E_PM = tokens_P_EM.permute(1, 0, 2).reshape(E, P * M)
-        r_E_PM = torch.arange(P, device=device).repeat_interleave(M).expand(E, P * M)
-        order = torch.sort(s_E_PM, dim=1, descending=descending, stable=True).indices
-        take = torch.arange(P * M, device=device)[None, :] < n_E[:, None]
-        mine = take & (r_E_PM.gather(1, order) == rank)
-        sel_tok = t_E_PM.gather(1, order).long()
-        e_idx = torch.arange(E, device=device)[:, None].expand(E, P * M)
-        mask_TE = torch.zeros((T + 1, E), dtype=torch.bool, device=device)
-        # Entries not selected go to the spare row T (then cut off), keeping this free of host syncs.
-        rows = torch.where(mine, sel_tok, torch.full_like(sel_tok, T))
-        mask_TE[rows.reshape(-1), e_idx.reshape(-1)] = True
-        return mask_TE[:T]
+def _cut(scores_PEM, tokens_PEM, n_E, descending: bool, rank: int) -> torch.Tensor:
+    """This rank's tokens among each expert's ``n_E`` first candidates of the group, [E, M - 1] (n_E < M), -1
+    where a slot is not taken or another rank's. Candidates are in (rank, per-rank order) order: a stable sort on
+    the score keeps (rank, token) for ties."""
+    P, E, M = scores_PEM.shape
+    s_E_PM = scores_PEM.permute(1, 0, 2).reshape(E, P * M)
+    t_E_PM = tokens_PEM.permute(1, 0, 2).reshape(E, P * M)
+    order = torch.sort(s_E_PM, dim=1, descending=descending, stable=True).indices[:, : M - 1]
+    tok = t_E_PM.gather(1, order).long()
+    take = torch.arange(M - 1, device=order.device)[None, :] < n_E[:, None]
+    mine = take & (torch.div(order, M, rounding_mode="floor") == rank) & (tok >= 0)  # candidate j is rank j // M's
+    return torch.where(mine, tok, -1)
 
-    dup_P = all_PE[:, 0, 2].tolist()  # host sync (tiny): every rank must see a bad rank and raise with it
-    if any(dup_P):
-        bad = [r for r, d in enumerate(dup_P) if d]
-        raise EPInputError(
-            f"token rounding: the routed (token, expert) pairs of rank(s) {bad} must be unique, got duplicates"
-        )
-    drop_TE = cut(all_PE[:, :, C : C + M], all_PE[:, :, C + M : C + 2 * M], False, (-delta_E).clamp(min=0))
-    add_TE = cut(all_PE[:, :, C + 2 * M : C + 3 * M], all_PE[:, :, C + 3 * M :], True, delta_E.clamp(min=0))
-    keep_TE = routed_TE & ~drop_TE
-    final_TE = keep_TE | add_TE
-    # Host sync: the rounded pair count sizes everything downstream.
-    new_tok, new_exp = final_TE.nonzero(as_tuple=True)
-    added = add_TE[new_tok, new_exp]
-    kept_scores = scores_R[pidx_TE[new_tok, new_exp].clamp(min=0)]
-    added_scores = rounding_scores_TE[new_tok, new_exp].to(scores_R.dtype)
-    new_scores = torch.where(added, added_scores, kept_scores)
-    return RoundingResult(
-        token_idx_R=new_tok,
-        expert_idx_R=new_exp,
-        scores_R=new_scores,
-        counts_before_E=f_E,
-        counts_after_E=t_E,
-        dropped=drop_TE.sum(),
-        added=added.sum(),
-    )
+
+def _added_scores(rounding_scores_TE: torch.Tensor, add_tok_EW: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The added pairs' scores [E * W] (dense probabilities, with autograd; any value where no pair is added)."""
+    T, E = rounding_scores_TE.shape
+    if T == 0:  # nothing to gather from (and nothing added)
+        return torch.zeros(add_tok_EW.numel(), dtype=dtype, device=add_tok_EW.device)
+    e_EW = torch.arange(E, device=add_tok_EW.device).unsqueeze(1).expand_as(add_tok_EW)
+    return rounding_scores_TE[add_tok_EW.clamp(min=0), e_EW].reshape(-1).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -307,22 +358,34 @@ def round_local_torch(
     expert_EW = torch.arange(E, device=device).unsqueeze(1).expand(E, W)
     added_EW = adds_E.unsqueeze(1) & (add_tok_EW >= 0)
     add_tok_EW = add_tok_EW.long().clamp(min=0)
-    # (token, expert) keys, padding (T, E) last; int32 sorts faster where it fits.
+    # (token, expert) keys, padding (T, E) for dropped pairs and empty slots.
     pad = T * (E + 1) + E
-    key_dtype = torch.int32 if pad <= _INT32_MAX else torch.int64
     pair_keys = torch.cat(
         [
             torch.where(dropped_TK, pad, token_TK * (E + 1) + idx_TK).reshape(-1),
             torch.where(added_EW, add_tok_EW * (E + 1) + expert_EW, pad).reshape(-1),
         ]
-    ).to(key_dtype)
-    sorted_R, order_R = torch.sort(pair_keys)
-    sorted_R = sorted_R.long()
+    )
     scores_all = torch.cat(
         [scores_TK.reshape(-1), rounding_scores_TE[add_tok_EW, expert_EW].reshape(-1).to(scores_TK.dtype)]
     )
+    return _pairs_from_keys(pair_keys, scores_all, T, E, pair_keys.numel())
+
+
+def _pairs_from_keys(
+    keys: torch.Tensor, scores: torch.Tensor, num_tokens: int, num_experts: int, num_pairs: int
+) -> FlatRouting:
+    """The padded ``FlatRouting`` of pairs given as keys token * (E + 1) + expert (the pad key T * (E + 1) + E for
+    a dropped pair or an empty slot) with their ``scores``: sorted by key -- the reference's token-major order,
+    padding (token T, expert E, score 0) last -- and cut to ``num_pairs`` (at least the real pair count). The last
+    step of both ``round_routing_padded`` and ``round_local_torch``."""
+    T, E = num_tokens, num_experts
+    pad = T * (E + 1) + E
+    key_dtype = torch.int32 if pad <= _INT32_MAX else torch.int64  # int32 sorts faster where it fits
+    sorted_R, order_R = torch.sort(keys.to(key_dtype))
+    sorted_R, order_R = sorted_R[:num_pairs].long(), order_R[:num_pairs]
     valid_R = sorted_R < pad
-    score_R = torch.where(valid_R, scores_all[order_R], torch.zeros((), dtype=scores_TK.dtype, device=device))
+    score_R = torch.where(valid_R, scores[order_R], torch.zeros((), dtype=scores.dtype, device=scores.device))
     tok_R = torch.div(sorted_R, E + 1, rounding_mode="floor")
     exp_R = sorted_R - tok_R * (E + 1)
     return FlatRouting(tok_R, exp_R, score_R, T, padded=True)

@@ -3,7 +3,7 @@ size is known (so it is launched BEFORE the plan's host sync, sized by R, and sl
 
 Shape legend (extends ``kernels/routing.py``):
     T  tokens of this rank       E  global experts        L  local experts (E / P)     P  EP ranks
-    N  chunks (num_chunks)       R  routed pairs of this rank (after rounding)
+    N  chunks (num_chunks)       R  routed pairs of this rank (after rounding: padded, see ``padded`` below)
     S  send rows: distinct (token, destination rank) of this rank, ordered (chunk, destination, token)
     C  int32 columns of the pair metadata: row in segment, local expert, the score's bits (1 or 2 columns)
 
@@ -12,6 +12,10 @@ inside one), and consecutive pairs of one token and destination form one send ro
 implementations with bitwise the same results: PyTorch ops (``send_side_torch``: the reference; CPU, flat
 routing, rounded routing) and, for top-K routing on CUDA, the Triton kernels of ``triton_send.py`` (a few
 launches instead of ~40). ``build_send_side`` picks.
+
+A rounded routing is padded (``FlatRouting.padded``: real pairs first, then pairs of token T and expert E):
+``padded=True`` gives padding pairs the segment N*P, past every destination, so that they sort after all real
+pairs and no row or pair count includes them -- the send side of the real pairs is what it would be unpadded.
 """
 
 from __future__ import annotations
@@ -56,9 +60,9 @@ class SendSide:
     pairs_NP: torch.Tensor  # int64 [N*P]: pairs per segment
 
 
-def _send_layout(tok_R, exp_R, T, L, P, N):
+def _send_layout(tok_R, exp_R, T, L, P, N, padded=False):
     """Device-side send layout: (pair order, sorted segment ids, sorted tokens, send row of each sorted pair,
-    per-segment row counts [N*P], per-segment pair counts [N*P], first send row of each segment [N*P]).
+    per-segment row counts [N*P], per-segment pair counts [N*P], first send row of each segment [N*P + 1]).
     No host sync."""
     device = tok_R.device
     R = tok_R.numel()
@@ -66,9 +70,11 @@ def _send_layout(tok_R, exp_R, T, L, P, N):
     if N > 1:
         chunk_R = torch.div(tok_R.clamp(min=0) * N, max(T, 1), rounding_mode="floor").clamp(0, N - 1)
         seg_R = chunk_R * P + seg_R
+    if padded:  # padding pairs (expert E) have no destination: the segment past the last one
+        seg_R = torch.where(exp_R < L * P, seg_R, N * P)
     # Pairs arrive sorted by token; a stable sort by segment keeps tokens ascending inside a segment. The
     # narrowest key dtype: CUDA's radix sort makes one pass per key byte (int16: 2 passes, int64: 8).
-    key_dtype = torch.int16 if N * P <= 2**15 else torch.int32
+    key_dtype = torch.int16 if N * P + padded <= 2**15 else torch.int32
     order = torch.sort(seg_R.to(key_dtype), stable=True).indices
     seg_s, tok_s = seg_R[order], tok_R[order]
     key = seg_s * (T + 1) + tok_s
@@ -80,13 +86,15 @@ def _send_layout(tok_R, exp_R, T, L, P, N):
     row_of_pair = new_before[1:] - 1
     # Per-segment counts from the segment boundaries of the sorted pairs (no atomics, unlike index_add_).
     bounds = torch.searchsorted(seg_s, torch.arange(N * P + 1, dtype=seg_s.dtype, device=device))
-    rows_before = new_before[bounds]  # [N*P + 1] send rows before each segment
-    return order, seg_s, tok_s, row_of_pair, rows_before.diff(), bounds.diff(), rows_before[:-1]
+    rows_before = new_before[bounds]  # [N*P + 1] send rows before each segment (and the padding's segment)
+    return order, seg_s, tok_s, row_of_pair, rows_before.diff(), bounds.diff(), rows_before
 
 
-def send_side_torch(tok_R, exp_R, scores_R, T, L, P, N) -> SendSide:
-    """The send side from PyTorch ops: the reference (and the path for CPU, flat and rounded routing)."""
-    order, seg_s, tok_s, row_of_pair, rows_NP, pairs_NP, seg_row_start = _send_layout(tok_R, exp_R, T, L, P, N)
+def send_side_torch(tok_R, exp_R, scores_R, T, L, P, N, padded=False) -> SendSide:
+    """The send side from PyTorch ops: the reference (and the path for CPU, flat and rounded routing).
+    ``padded``: (tok_R, exp_R) end in padding pairs (expert E = L * P) that are sent nowhere (module docstring)."""
+    layout = _send_layout(tok_R, exp_R, T, L, P, N, padded)
+    order, seg_s, tok_s, row_of_pair, rows_NP, pairs_NP, seg_row_start = layout
     R, device = tok_R.numel(), tok_R.device
     # Send rows number S <= R (host-known only after the sync): an R buffer whose rows past S keep the
     # sentinel T, so that they sort after every real row in the combine order below and are sliced off.
@@ -103,9 +111,12 @@ def send_side_torch(tok_R, exp_R, scores_R, T, L, P, N) -> SendSide:
     return SendSide(order, send_token_idx_R, combine_order_R, combine_offsets, pair_meta_RC, rows_NP, pairs_NP)
 
 
-def build_send_side(tok_R, exp_R, scores_R, T, L, P, N, topk: TopKRouting | None = None) -> SendSide:
+def build_send_side(
+    tok_R, exp_R, scores_R, T, L, P, N, topk: TopKRouting | None = None, padded: bool = False
+) -> SendSide:
     """The send side of the flat pairs (tok_R, exp_R, scores_R): from the Triton kernels on CUDA when
-    ``topk`` (the same pairs as top-K routing) is given, else from ``send_side_torch`` (same results)."""
+    ``topk`` (the same pairs as top-K routing) is given, else from ``send_side_torch`` (same results).
+    ``padded``: the pairs end in padding pairs (token T, expert E), which no segment includes."""
     if topk is not None and tok_R.is_cuda and topk.indices_TK.dim() == 2:
         try:
             from .triton_send import MAX_RANKS, ep_send_side
@@ -114,4 +125,4 @@ def build_send_side(tok_R, exp_R, scores_R, T, L, P, N, topk: TopKRouting | None
         else:
             if P <= MAX_RANKS:  # the kernels keep one tile of destination flags per token
                 return SendSide(*ep_send_side(topk.indices_TK, topk.scores_TK, T, L, P, N))
-    return send_side_torch(tok_R, exp_R, scores_R, T, L, P, N)
+    return send_side_torch(tok_R, exp_R, scores_R, T, L, P, N, padded)

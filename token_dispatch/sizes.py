@@ -67,12 +67,6 @@ def exchange_header_and_counts(
     return [g[V.HEADER_LEN :] for g in gathered], gathered_dev[:, V.HEADER_LEN :]
 
 
-def exchange_counts(counts: list[torch.Tensor], group) -> tuple[list[list[int]], torch.Tensor]:
-    """The counts alone (after rounding changed the pairs): all-gather + host copy."""
-    counts_dev = all_gather(torch.cat(counts), group)
-    return counts_dev.tolist(), counts_dev
-
-
 def split_sizes(counts_host: list[list[int]], counts_PW: torch.Tensor, *, rank: int, num_chunks: int) -> SplitSizes:
     """This rank's send split sizes (its own counts) and receive split sizes (everyone's counts for it), [N][P]."""
     P, N, base = len(counts_host), num_chunks, pair_base(len(counts_host))

@@ -1,10 +1,11 @@
 """Input checks that give the same clear error on every rank of the EP group, without hangs.
 
 Each rank first checks its own inputs (shapes, dtypes, E % P, weights), catching the error instead of
-raising it, and writes a fixed-size int64 header (below). The plan's first collective all-gathers the
-headers (together with the split sizes, so this costs no extra round trip); then every rank compares them
-and, if any rank failed or the ranks disagree, all ranks raise the same ``ValueError``. A rank raising
-alone would leave its peers blocked in the next collective.
+raising it, and writes a fixed-size int64 header (below); checks that need the device (index ranges, duplicate
+pairs under rounding) are device values in the header, never read back on their own. The plan's header
+all-gather carries the headers together with the split sizes (no extra round trip, no extra host sync); then
+every rank compares them and, if any rank failed or the ranks disagree, all ranks raise the same
+``ValueError``. A rank raising alone would leave its peers blocked in the next collective.
 
 Header fields (int64):
     0 error flag      1 T (tokens)     2 D (hidden, -1 unknown)   3 x dtype code (-1 unknown)
@@ -13,7 +14,8 @@ Header fields (int64):
    12 token index problem (1: out of [0, T) or unsorted)           13 local experts of w1 (-1 unknown)
    14 G (w1 rows)    15 F (w2 cols)    16 activation code          17 K (-1 for flat routing)
    18 by_source (stages per source rank: 1, else 0)
-Fields 10-12 are computed on the device and read back in the same host copy as the split sizes.
+   19 duplicate (token, expert) pairs under token rounding (1: some, 0: none, -1: not rounding)
+Fields 10-12 and 19 are computed on the device and read back in the same host copy as the split sizes.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ..kernels.interface import FLOAT_DTYPES
 from ..kernels.routing import INDEX_DTYPES, FlatRouting, TopKRouting
 from .comm import all_gather_strings
 
-HEADER_LEN = 19
+HEADER_LEN = 20
 MAX_CHUNKS = 16  # num_chunks limit: the counts exchange has a fixed size (see plan.py)
 ROUNDING_CODES = {None: 0, "nearest": 1, "up": 2, "down": 3}
 _DTYPE_CODES = {dt: i for i, dt in enumerate(FLOAT_DTYPES)}
@@ -54,6 +56,11 @@ class EPInputError(ValueError):
 
 def fail(arg: str, expected: str, got: object) -> None:
     raise EPInputError(f"{arg} must be {expected}, got {got}")
+
+
+def duplicate_pairs_message(ranks: list[int]) -> str:
+    """Token rounding's error for routings that name a (token, expert) pair twice on ``ranks``."""
+    return f"token rounding: the routed (token, expert) pairs of rank(s) {ranks} must be unique, got duplicates"
 
 
 def dtype_code(dtype: torch.dtype | None) -> int:
@@ -179,10 +186,12 @@ def header(
     top_k: int,
     by_source: bool = False,
     index_stats: list | None,
+    duplicate_pairs: torch.Tensor | None = None,
     device: torch.device,
 ) -> list[torch.Tensor]:
     """The int64 header of this rank (fields in the module docstring) on ``device``, as pieces whose
-    concatenation is the header (the caller concatenates them with the split sizes in one launch)."""
+    concatenation is the header (the caller concatenates them with the split sizes in one launch).
+    ``index_stats``: ``index_stats``' list; ``duplicate_pairs``: 0-d device flag of rounding's duplicate check."""
     vals = {
         0: int(error),
         1: num_tokens,
@@ -205,16 +214,18 @@ def header(
     for i, v in vals.items():
         host[i] = v
     stats = index_stats if index_stats is not None and not error else [-1, -1, -1]
-    for i, v in enumerate(stats):
-        host[10 + i] = v if isinstance(v, int) else -1
+    on_device = {10 + i: v for i, v in enumerate(stats)}
+    on_device[19] = -1 if duplicate_pairs is None or error else duplicate_pairs
+    for i, v in on_device.items():
+        host[i] = v if isinstance(v, int) else -1
     # Built on the host and copied without a stream sync: pinned memory, so the copy is truly asynchronous (a
     # pageable or blocking H2D copy may wait for the GPU's queue).
     h = torch.tensor(host, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
     parts, start = [], 0
-    for i, v in enumerate(stats):
+    for i, v in sorted(on_device.items()):
         if isinstance(v, torch.Tensor):  # computed on the device: spliced in by the caller's concatenation
-            parts += [h[start : 10 + i], v.reshape(1)]
-            start = 11 + i
+            parts += [h[start:i], v.reshape(1)]
+            start = i + 1
     return [*parts, h[start:]]
 
 
@@ -231,15 +242,22 @@ def check_headers(headers_PH, local_error: str | None, group, num_experts: int) 
         known = {v for v in vals if v != -1}
         if len(known) > 1:
             problems.append(f"{name} differs between ranks: {vals} (per rank)")
+    duplicates = []
     for r, h in enumerate(headers_PH):
         lo, hi = h[10], h[11]
-        if h[12] != -1 and (lo < 0 or hi >= num_experts):  # h[12] == -1: this rank has no pairs
+        bad_experts = h[12] != -1 and (lo < 0 or hi >= num_experts)  # h[12] == -1: this rank has no pairs
+        if bad_experts:
             problems.append(
                 f"rank {r}: routing expert indices must be in [0, num_experts = {num_experts}), "
                 f"got values in [{lo}, {hi}]"
             )
         if h[12] == 1:
             problems.append(f"rank {r}: routing.token_idx_R must be sorted ascending with values in [0, T = {h[1]})")
+        # Rounding ran on indices clamped into range: duplicates mean something only where the indices are good.
+        if h[19] == 1 and not bad_experts and h[12] != 1:
+            duplicates.append(r)
+    if duplicates:
+        problems.append(duplicate_pairs_message(duplicates))
     if problems:
         raise EPInputError(
             "expert-parallel dispatch: ranks disagree or bad input: " + "; ".join(problems) + f" (group of {P} ranks)"
