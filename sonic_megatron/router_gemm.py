@@ -22,7 +22,8 @@ three run on the bf16 tensor cores, with two measures that keep every result wit
 
     logits = x W^T      x bf16 (exact), W in 1 part (bf16, Megatron's Float16Module) or 3 (fp32), chunks of 256
     dX     = dL W       returned in bf16: dL and W in 2 parts, the terms (1,1), (1,2), (2,1) as one GEMM over a
-                        K = 3E concatenation (the terms left out are ~2^-16 relative, below bf16's 2^-8)
+                        K = 3E concatenation with a bf16 output (the terms left out are ~2^-16 relative, below
+                        bf16's 2^-8; the result is rounded once, as Megatron rounds its fp32 dX to bf16)
     dW     = dL^T x     dL in 3 parts stacked along M, chunks of ``wgrad_chunk(T)``, returned in W's dtype
 
 ``tests/test_router_gemm.py`` checks all of them against float64 and against the fp32 GEMMs' error.
@@ -59,6 +60,14 @@ def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.is_cuda:
         return torch.bmm(a, b, out_dtype=torch.float32)
     return torch.bmm(a.float(), b.float())
+
+
+def _mm_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """bf16 a @ b of bf16 operands, accumulated in fp32 and rounded once to bf16 (cuBLAS's bf16 GEMM on CUDA; the
+    upcast product elsewhere)."""
+    if a.is_cuda:
+        return torch.mm(a, b)
+    return (a.float() @ b.float()).to(torch.bfloat16)
 
 
 def chunked_mm_fp32(a_MK: torch.Tensor, b_KN: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -114,8 +123,7 @@ class RouterLogits(torch.autograd.Function):
             else:
                 w1, w2 = split_bf16(w_ED, 2)
                 a_TK, b_KD = torch.cat([dl1, dl1, dl2], dim=1), torch.cat([w1, w2, w1], dim=0)
-            dx = _bmm_fp32(a_TK.unsqueeze(0), b_KD.unsqueeze(0))[0].to(x2_TD.dtype)
-            dx = dx.reshape(*ctx.lead, x2_TD.shape[1])
+            dx = _mm_bf16(a_TK, b_KD).reshape(*ctx.lead, x2_TD.shape[1])
         if ctx.needs_input_grad[1]:
             dl_PT = torch.cat(dl_parts, dim=1).t().contiguous()  # [3E, T]
             chunk = wgrad_chunk(x2_TD.shape[0])
