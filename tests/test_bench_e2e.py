@@ -97,6 +97,7 @@ def test_summary_statistics():
     assert s["tflops_per_gpu"] == 104.0
     assert s["peak_allocated_mib"] == 300.0 and s["peak_reserved_mib"] == 8192.0
     assert s["losses"] == [10.0 - i for i in range(7)] and s["final_loss"] == 4.0
+    assert s["final_loss_mean10"] == pytest.approx(7.0)  # fewer than 10 logged: the mean of all
     assert s["baseline_experts"] == "GroupedMMExperts"
     empty = summarize(parse_log(["Traceback (most recent call last):"]), warmup=2, tokens_per_iteration=1, num_gpus=1)
     assert empty["ms_per_iter_median"] is None and empty["tokens_per_s_per_gpu"] is None and empty["losses"] == []
@@ -165,6 +166,36 @@ def test_flags_per_config_and_provider():
     )
     assert e2e.provider_env("sonic", "/m", {})["SONIC_MEGATRON_TOKEN_ROUNDING"] == "none"
     assert "SONIC_MEGATRON_TOKEN_ROUNDING" not in e2e.provider_env("grouped", "/m", {})
+
+
+def test_markov_data_flags_and_dataset(tmp_path):
+    shape = e2e.CONFIGS["small"]
+    args = _args(config="small", data="markov", iters=20, seed=5)
+    path = e2e.markov_data_path(str(tmp_path), shape, args)
+    assert path.startswith(str(tmp_path)) and "d1024x1025-seed5" in path
+    flags = e2e.pretrain_flags(shape, iters=20, ep=1, seed=5, data_path=path)
+    assert "--mock-data" not in flags and _flag(flags, "--data-path") == path and _flag(flags, "--split") == "100,0,0"
+    assert _args().data == "mock" and "--mock-data" in e2e.pretrain_flags(shape, iters=20, ep=1, seed=5)
+
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from sonic_megatron.bench import markov_data
+
+    sizes = dict(vocab=50, successors=3, docs=6, doc_len=40, seed=5)
+    prefix = markov_data.write_dataset(str(tmp_path / "mk" / "tokens"), **sizes)
+    ds = IndexedDataset(prefix)
+    tokens = markov_data.generate(**sizes)
+    assert len(ds) == 6 and all((ds[i] == tokens[i]).all() for i in range(6))
+    # Every step follows the chain: the next token is one of the current token's successors.
+    next_VS, probs_S = markov_data.transition_table(50, 3, 5)
+    follows = (next_VS[tokens[:, :-1]] == tokens[:, 1:, None]).any(-1)
+    assert follows.all() and probs_S == pytest.approx([4 / 7, 2 / 7, 1 / 7])
+    assert markov_data.entropy_rate(1) == 0.0 and 0.9 < markov_data.entropy_rate(3) < 1.0
+    # Written once: a second call with a dataset in place leaves it as it is.
+    mtime = os.path.getmtime(prefix + ".bin")
+    assert markov_data.write_dataset(prefix, **sizes) == prefix and os.path.getmtime(prefix + ".bin") == mtime
+    with pytest.raises(ValueError, match="successors <= vocab"):
+        markov_data.transition_table(4, 5, 0)
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,14 @@ and Megatron's aux loss):
     plugin+rounding    the same with ``token_rounding="nearest"``
     grouped            stock ``MoELayer`` + Megatron's alltoall dispatcher + grouped-GEMM experts
                        (``sonic_megatron.baseline``: TEGroupedMLP where Transformer Engine imports)
-Per row: step ms (CUDA events around the call, median and spread over ``--iters`` calls), host ms (CPU time to
-issue the call; a step whose host ms reaches its step ms is host-bound), peak memory, and ratios to ``kernels``
-and to ``grouped``. Configs: ``qwen3`` = (T 16384, hidden 2048, ffn 768, 128 experts, top-8), ``sparse`` = (T
+The rows run side by side: ``--iters`` rounds, each row once per round in rotating order. Per row: step ms (CUDA
+events around the call; median and min-max over the rounds), GPU ms (its kernels' and copies' summed durations:
+below the step ms the device waits for the host), host ms (CPU time to issue the call; a step whose host ms
+reaches its step ms is host-bound), host syncs per call (PyTorch's sync debug mode), peak memory, and paired
+ratios (median over rounds of the two rows' times in the same round): ``x_kernels`` = row / kernels,
+``x_plugin`` = row / plugin, ``x_grouped`` = grouped / row (the speedup over the baseline). At expert-parallel size
+1 the plugin layer has no plan, dispatch or combine phase (they pass tensors through), so router, rounding and
+experts are its phases. Configs: ``qwen3`` = (T 16384, hidden 2048, ffn 768, 128 experts, top-8), ``sparse`` = (T
 16384, hidden 2048, ffn 512, 256 experts, top-8), or ``T,d,n,E,K``.
 
 ``--routing balanced`` builds the tokens and router weights so that token t's top-K experts are
@@ -51,7 +56,7 @@ def _rows(text: str) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=_config, action="append", help="qwen3 | sparse | T,d,n,E,K (repeatable)")
     parser.add_argument("--rows", type=_rows, default=list(ROWS), help=f"rows to run, from {','.join(ROWS)}")
-    parser.add_argument("--iters", type=int, default=20, help="timed calls per row (after 3 warm-up calls)")
+    parser.add_argument("--iters", type=int, default=20, help="timed rounds (each row once per round)")
     parser.add_argument("--seq", type=int, default=4096, help="sequence length; batch = T / seq")
     parser.add_argument(
         "--routing",
@@ -61,32 +66,93 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _timed(fn, iters: int, device) -> dict:
+def rotated(names: list[str], round_index: int) -> list[str]:
+    """The order of the rows in one round: every row once, the first one rotating from round to round."""
+    k = round_index % len(names)
+    return names[k:] + names[:k]
+
+
+def paired_ratio(ms_rounds: dict[str, list[float]], row: str, ref: str) -> float | None:
+    """Median over rounds of row's time / ref's time in the same round (None if either row did not run)."""
+    if row not in ms_rounds or ref not in ms_rounds:
+        return None
+    return statistics.median(a / b for a, b in zip(ms_rounds[row], ms_rounds[ref], strict=True))
+
+
+def _count_syncs(fn) -> int:
+    """Host syncs of one call, as PyTorch's sync debug mode reports them (item(), blocking copies to the host,
+    nonzero, ...)."""
+    import warnings
+
     import torch
 
-    for _ in range(3):
-        fn()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _gpu_ms(fn, device, calls: int = 3) -> float:
+    """GPU time of one call: the summed durations of its kernels and copies (torch profiler, ``calls`` calls);
+    below the step time, the device idles for the host."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
     torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    events, host = [], []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t0 = time.perf_counter()
-        fn()
-        host.append((time.perf_counter() - t0) * 1e3)
-        end.record()
-        events.append((start, end))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize(device)
+    device_events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    return sum(e.device_time_total for e in device_events) / 1e3 / calls
+
+
+def measure_rows(fns: dict, iters: int, device) -> dict[str, dict]:
+    """Per row: 3 warm-up calls, then peak memory, host syncs and GPU time from calls of its own; then ``iters``
+    rounds in which every row runs once, in rotating order (``rotated``), timed by CUDA events around the call
+    (step ms) and the host clock (host ms: the CPU time to issue it). Rows of one round share the device's
+    clock and temperature, so ``paired_ratio`` over rounds compares them side by side."""
+    import torch
+
+    names = list(fns)
+    stats = {}
+    for name in names:
+        fn = fns[name]
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        syncs = _count_syncs(fn)
+        torch.cuda.synchronize(device)
+        peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+        stats[name] = {"peak_mib": peak, "host_syncs": syncs, "gpu_ms": _gpu_ms(fn, device)}
+    events = {n: [] for n in names}
+    host = {n: [] for n in names}
+    for r in range(iters):
+        for name in rotated(names, r):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            fns[name]()
+            host[name].append((time.perf_counter() - t0) * 1e3)
+            end.record()
+            events[name].append((start, end))
     torch.cuda.synchronize(device)
-    ms = sorted(s.elapsed_time(e) for s, e in events)
-    return {
-        "ms": statistics.median(ms),
-        "ms_min": ms[0],
-        "ms_max": ms[-1],
-        "host_ms": statistics.median(host),
-        "peak_mib": (torch.cuda.max_memory_allocated(device) - base) / 2**20,
-    }
+    for name in names:
+        ms = [s.elapsed_time(e) for s, e in events[name]]
+        stats[name].update(
+            ms=statistics.median(ms),
+            ms_min=min(ms),
+            ms_max=max(ms),
+            host_ms=statistics.median(host[name]),
+            ms_rounds=ms,
+        )
+    return stats
 
 
 def _layers(cfg, device, seq: int):
@@ -217,15 +283,22 @@ def run_config(cfg, rows, iters: int, seq: int, device, routing: str = "random")
         "plugin+rounding": _layer_step(rounded, x, g),
         "grouped": _layer_step(grouped, x, g),
     }
+    print(f"  rows {', '.join(rows)}: warm-up, memory, syncs and GPU time per row, then {iters} rounds", flush=True)
+    stats = measure_rows({name: fns[name] for name in rows}, iters, device)
+    ms_rounds = {name: st["ms_rounds"] for name, st in stats.items()}
     out = []
     for name in rows:
-        print(f"  {name} ...", flush=True)
-        res = {"config": ",".join(map(str, cfg)), "routing": routing, "row": name, **_timed(fns[name], iters, device)}
-        out.append(res)
-    by = {r["row"]: r["ms"] for r in out}
-    for r in out:
-        r["x_kernels"] = r["ms"] / by["kernels"] if "kernels" in by else None
-        r["x_grouped"] = by["grouped"] / r["ms"] if "grouped" in by else None  # speedup over the baseline
+        out.append(
+            {
+                "config": ",".join(map(str, cfg)),
+                "routing": routing,
+                "row": name,
+                **stats[name],
+                "x_kernels": paired_ratio(ms_rounds, name, "kernels"),
+                "x_plugin": paired_ratio(ms_rounds, name, "plugin"),
+                "x_grouped": paired_ratio(ms_rounds, "grouped", name),  # the speedup over the baseline
+            }
+        )
     return out
 
 
@@ -253,8 +326,7 @@ def run(args) -> int:
             return 2
         print(f"config (T,d,n,E,K) = {cfg}", flush=True)
         results += run_config(cfg, args.rows, args.iters, args.seq, device, args.routing)
-    print_table(
-        results, ["config", "routing", "row", "ms", "ms_min", "ms_max", "host_ms", "peak_mib", "x_kernels", "x_grouped"]
-    )
+    columns = ["config", "routing", "row", "ms", "ms_min", "ms_max", "gpu_ms", "host_ms", "host_syncs", "peak_mib"]
+    print_table(results, columns + ["x_kernels", "x_plugin", "x_grouped"])
     write_json(args.json, {"benchmark": "breakdown", "environment": environment(), "results": results})
     return 0

@@ -1,6 +1,7 @@
 """``python -m sonic_megatron bench e2e``: Megatron-LM's own ``pretrain_gpt.py`` per provider, end to end.
 
-Each provider is one ``torchrun ... pretrain_gpt.py`` run (same flags, seed and mock data), one after another
+Each provider is one ``torchrun ... pretrain_gpt.py`` run (same flags, seed and data: Megatron's mock data, or
+with ``--data markov`` a synthetic corpus that no model memorises, ``markov_data.py``), one after another
 on this machine; the iteration log gives ms/iteration (median of the iterations after ``--warmup``, with the
 min/max spread), tokens/s/GPU, Megatron's TFLOP/s/GPU, peak allocated memory (Megatron's memory report of
 rank 0, after iterations 1, 2 and the last one) and the loss curve. Providers:
@@ -31,11 +32,15 @@ import time
 from collections.abc import Callable
 
 from .e2e_log import LOSS_KEY, MS_KEY, TFLOPS_KEY, failure_excerpt, parse_iteration, parse_log, summarize
+from .markov_data import entropy_rate
 from .megatron_lm import install_dataset_sources
 
 BASELINE = "grouped"
 DEFAULT_PROVIDERS = "sonic,sonic-rounding,grouped"
 LOG_TAIL_LINES = 20
+DATA_CHOICES = ("mock", "markov")
+VOCAB = 32000
+MARKOV_SUCCESSORS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +105,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1234, help="Megatron's --seed (the same for every provider)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per provider run")
     parser.add_argument("--log-dir", default=None, help="per-provider logs (default: next to --json, else out/)")
+    parser.add_argument(
+        "--data",
+        choices=DATA_CHOICES,
+        default="mock",
+        help="mock: Megatron's --mock-data (counting sequences, memorised: loss -> 0); markov: a random Markov "
+        "chain's walks written as an indexed dataset under --log-dir (a loss that still compares after hundreds "
+        "of iterations)",
+    )
     parser.add_argument("--pretrain-args", default="", help="extra pretrain_gpt.py flags for every provider")
     parser.add_argument("--dry-run", action="store_true", help="print each provider's command and stop")
     parser.add_argument(
@@ -154,11 +167,12 @@ def validate(args: argparse.Namespace, *, gpu_count: int) -> tuple[Shape, list[s
     return shape, providers, nproc
 
 
-def pretrain_flags(shape: Shape, *, iters: int, ep: int, seed: int) -> list[str]:
+def pretrain_flags(shape: Shape, *, iters: int, ep: int, seed: int, data_path: str | None = None) -> list[str]:
     """pretrain_gpt.py flags shared by every provider: the shape, bf16 SwiGLU without biases, the alltoall
-    dispatcher with aux loss and an fp32 router, mock data, the local transformer implementation (no
-    Transformer Engine needed), fused kernels off (they need apex/TE), a log line per iteration with
-    throughput, and a memory report at the last iteration too."""
+    dispatcher with aux loss and an fp32 router, mock data (or the indexed dataset at ``data_path``), the local
+    transformer implementation (no Transformer Engine needed), fused kernels off (they need apex/TE), a log
+    line per iteration with throughput, and a memory report at the last iteration too."""
+    data = ["--mock-data"] if data_path is None else ["--data-path", data_path, "--split", "100,0,0"]
     return [
         *("--num-layers", str(shape.layers), "--hidden-size", str(shape.hidden)),
         *("--num-attention-heads", str(shape.heads), "--seq-length", str(shape.seq)),
@@ -166,7 +180,8 @@ def pretrain_flags(shape: Shape, *, iters: int, ep: int, seed: int) -> list[str]
         *("--micro-batch-size", str(shape.micro_batch), "--global-batch-size", str(shape.global_batch)),
         *("--train-iters", str(iters), "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine"),
         *("--lr-warmup-iters", "2", "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", str(seed)),
-        *("--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000"),
+        *data,
+        *("--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)),
         *("--num-experts", str(shape.experts), "--moe-router-topk", str(shape.topk)),
         *("--moe-ffn-hidden-size", str(shape.moe_ffn), "--expert-model-parallel-size", str(ep)),
         *("--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss"),
@@ -178,6 +193,20 @@ def pretrain_flags(shape: Shape, *, iters: int, ep: int, seed: int) -> list[str]
         *("--log-interval", "1", "--log-throughput", "--log-memory-interval", str(iters)),
         *("--eval-iters", "0", "--eval-interval", "1000000"),
     ]
+
+
+def markov_data_sizes(shape: Shape, args: argparse.Namespace) -> dict:
+    """The markov dataset for a run: one document per sample, enough for every iteration once (no epoch
+    repeats), at least 1024 documents."""
+    docs = max(1024, shape.global_batch * args.iters + shape.global_batch)
+    return dict(vocab=VOCAB, successors=MARKOV_SUCCESSORS, docs=docs, doc_len=shape.seq + 1, seed=args.seed)
+
+
+def markov_data_path(log_dir: str, shape: Shape, args: argparse.Namespace) -> str:
+    """The dataset's ``--data-path`` prefix under ``log_dir``; its name holds every size that shapes it."""
+    sizes = markov_data_sizes(shape, args)
+    name = "markov-v{vocab}-s{successors}-d{docs}x{doc_len}-seed{seed}".format(**sizes)
+    return os.path.join(os.path.abspath(log_dir), name, "tokens")
 
 
 def provider_flags(name: str) -> list[str]:
@@ -362,7 +391,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     args.nproc_resolved = nproc
-    flags = pretrain_flags(shape, iters=args.iters, ep=args.ep, seed=args.seed) + shlex.split(args.pretrain_args)
+    log_dir = args.log_dir or (os.path.dirname(os.path.abspath(args.json)) if args.json else "out")
+    data_path = markov_data_path(log_dir, shape, args) if args.data == "markov" else None
+    flags = pretrain_flags(shape, iters=args.iters, ep=args.ep, seed=args.seed, data_path=data_path)
+    flags += shlex.split(args.pretrain_args)
     if args.print_flags:
         print("\n".join(flags))
         return 0
@@ -374,9 +406,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    log_dir = args.log_dir or (os.path.dirname(os.path.abspath(args.json)) if args.json else "out")
     os.makedirs(log_dir, exist_ok=True)
     if not args.dry_run:
+        if data_path is not None:
+            from .markov_data import write_dataset
+
+            print(f"writing the markov dataset {data_path} ...", flush=True)
+            write_dataset(data_path, **markov_data_sizes(shape, args))
         try:
             for path in install_dataset_sources(args.megatron_lm):
                 print(f"installed {path} (pretrain_gpt.py compiles megatron-core's dataset helpers with it)")
@@ -411,6 +447,7 @@ def run(args: argparse.Namespace) -> int:
         "speedup_vs_grouped",
         "memory_vs_grouped",
         "final_loss",
+        "final_loss_mean10",
         "elapsed_s",
     ]
     print_table(rows, columns)
@@ -425,6 +462,8 @@ def run(args: argparse.Namespace) -> int:
             "iters": args.iters,
             "warmup": args.warmup,
             "seed": args.seed,
+            "data": args.data,
+            "markov_entropy_nats": entropy_rate(MARKOV_SUCCESSORS) if args.data == "markov" else None,
             "megatron_lm": os.path.abspath(args.megatron_lm),
             "megatron_core": _megatron_core_version(),
             "baseline": BASELINE,

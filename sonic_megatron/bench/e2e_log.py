@@ -80,10 +80,15 @@ def parse_log(lines) -> dict:
     }
 
 
+def _mean_of_last(values: list[float], n: int) -> float | None:
+    return statistics.fmean(values[-n:]) if values else None
+
+
 def summarize(parsed: dict, *, warmup: int, tokens_per_iteration: int, num_gpus: int) -> dict:
     """Statistics of the iterations after the first ``warmup`` ones: median / min / max ms per iteration,
     tokens/s/GPU and TFLOP/s/GPU at the median, peak memory (the largest "max allocated" reported), the
-    loss curve of every iteration. Missing values are None (a run that died early)."""
+    loss curve of every iteration, the last loss and the mean of the last 10 (one step's loss is noisy).
+    Missing values are None (a run that died early)."""
     its = parsed["iterations"]
     timed = [it for it in its if it["iteration"] > warmup and MS_KEY in it]
     ms = [it[MS_KEY] for it in timed]
@@ -104,6 +109,7 @@ def summarize(parsed: dict, *, warmup: int, tokens_per_iteration: int, num_gpus:
         "peak_allocated_mib": max(peaks) if peaks else None,
         "peak_reserved_mib": max(reserved) if reserved else None,
         "final_loss": next((v for v in reversed(losses) if v is not None), None),
+        "final_loss_mean10": _mean_of_last([v for v in losses if v is not None], 10),
         "losses": losses,
         "ms_per_iter": [it.get(MS_KEY) for it in its],
     }
