@@ -37,3 +37,22 @@ def test_arguments():
     for bad in (["--rows", "plugin,fast"], ["--config", "huge"], ["--routing", "skewed"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
+
+
+def test_rows_leave_no_gradients_behind():
+    import torch
+
+    layer = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4, requires_grad=True)
+    calls = []
+
+    def step():
+        assert layer.weight.grad is None and x.grad is None  # every call starts from fresh gradients
+        layer(x).sum().backward()
+        calls.append(layer.weight.grad.clone())
+
+    row = breakdown.without_grads(step, layer, x)
+    row()
+    row()
+    assert len(calls) == 2 and torch.equal(calls[0], calls[1])
+    assert layer.weight.grad is None and layer.bias.grad is None and x.grad is None

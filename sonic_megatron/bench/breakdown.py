@@ -11,7 +11,8 @@ and Megatron's aux loss):
     plugin+rounding    the same with ``token_rounding="nearest"``
     grouped            stock ``MoELayer`` + Megatron's alltoall dispatcher + grouped-GEMM experts
                        (``sonic_megatron.baseline``: TEGroupedMLP where Transformer Engine imports)
-The rows run side by side: ``--iters`` rounds, each row once per round in rotating order. Per row: step ms (CUDA
+The rows run side by side: ``--iters`` rounds, each row once per round in rotating order, every call from fresh
+gradients (``without_grads``: rows share weights and inputs, and DDP hands every ``.grad`` on). Per row: step ms (CUDA
 events around the call; median and min-max over the rounds), GPU ms (its kernels' and copies' summed durations:
 below the step ms the device waits for the host), host ms (CPU time to issue the call; a step whose host ms
 reaches its step ms is host-bound), host syncs per call (PyTorch's sync debug mode), peak memory, and paired
@@ -196,13 +197,30 @@ def _layers(cfg, device, seq: int):
     return [m.to(device).train() for m in (plugin, rounded, grouped)]
 
 
+def without_grads(fn, *holders):
+    """``fn`` followed by dropping every gradient it left in ``holders`` (modules and leaf tensors). Each call
+    then writes fresh gradients, as under Megatron's DDP (whose hooks hand every ``.grad`` on and set it to None),
+    instead of adding into the previous call's: a row whose weights or input another row shares would otherwise
+    time an extra add of every gradient (1.5 ms for the experts' weights at qwen3)."""
+    import torch
+
+    def step():
+        fn()
+        for holder in holders:
+            if isinstance(holder, torch.nn.Module):
+                holder.zero_grad(set_to_none=True)
+            else:
+                holder.grad = None
+
+    return step
+
+
 def _layer_step(layer, x, g):
     def step():
         out, _ = layer(x)
         out.backward(g)
-        layer.zero_grad(set_to_none=True)
 
-    return step
+    return without_grads(step, layer, x)
 
 
 def _balanced_inputs(plugin_router_weight, T: int, d: int, E: int, K: int, seq: int, device):
@@ -275,10 +293,10 @@ def run_config(cfg, rows, iters: int, seq: int, device, routing: str = "random")
         out.backward(g_TD)
 
     fns = {
-        "kernels": kernels,
-        "router": router,
+        "kernels": without_grads(kernels, x_TD, w_r, w1, w2),
+        "router": without_grads(router, plugin.router, x),
         "rounding": rounding,
-        "experts": experts,
+        "experts": without_grads(experts, plugin.experts, x_TD),
         "plugin": _layer_step(plugin, x, g),
         "plugin+rounding": _layer_step(rounded, x, g),
         "grouped": _layer_step(grouped, x, g),
