@@ -171,7 +171,7 @@ def test_flags_per_config_and_provider():
 def test_markov_data_flags_and_dataset(tmp_path):
     shape = e2e.CONFIGS["small"]
     args = _args(config="small", data="markov", iters=20, seed=5)
-    path = e2e.markov_data_path(str(tmp_path), shape, args)
+    path = e2e.markov_data_path(str(tmp_path), e2e.markov_data_sizes(shape, args))
     assert path.startswith(str(tmp_path)) and "d1024x1025-seed5" in path
     flags = e2e.pretrain_flags(shape, iters=20, ep=1, seed=5, data_path=path)
     assert "--mock-data" not in flags and _flag(flags, "--data-path") == path and _flag(flags, "--split") == "100,0,0"

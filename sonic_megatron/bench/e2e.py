@@ -202,9 +202,9 @@ def markov_data_sizes(shape: Shape, args: argparse.Namespace) -> dict:
     return dict(vocab=VOCAB, successors=MARKOV_SUCCESSORS, docs=docs, doc_len=shape.seq + 1, seed=args.seed)
 
 
-def markov_data_path(log_dir: str, shape: Shape, args: argparse.Namespace) -> str:
-    """The dataset's ``--data-path`` prefix under ``log_dir``; its name holds every size that shapes it."""
-    sizes = markov_data_sizes(shape, args)
+def markov_data_path(log_dir: str, sizes: dict) -> str:
+    """The ``--data-path`` prefix under ``log_dir`` of the dataset of ``markov_data_sizes``; its name holds every
+    size that shapes it."""
     name = "markov-v{vocab}-s{successors}-d{docs}x{doc_len}-seed{seed}".format(**sizes)
     return os.path.join(os.path.abspath(log_dir), name, "tokens")
 
@@ -392,7 +392,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     args.nproc_resolved = nproc
     log_dir = args.log_dir or (os.path.dirname(os.path.abspath(args.json)) if args.json else "out")
-    data_path = markov_data_path(log_dir, shape, args) if args.data == "markov" else None
+    markov_sizes = markov_data_sizes(shape, args) if args.data == "markov" else None
+    data_path = markov_data_path(log_dir, markov_sizes) if markov_sizes else None
     flags = pretrain_flags(shape, iters=args.iters, ep=args.ep, seed=args.seed, data_path=data_path)
     flags += shlex.split(args.pretrain_args)
     if args.print_flags:
@@ -412,7 +413,7 @@ def run(args: argparse.Namespace) -> int:
             from .markov_data import write_dataset
 
             print(f"writing the markov dataset {data_path} ...", flush=True)
-            write_dataset(data_path, **markov_data_sizes(shape, args))
+            write_dataset(data_path, **markov_sizes)
         try:
             for path in install_dataset_sources(args.megatron_lm):
                 print(f"installed {path} (pretrain_gpt.py compiles megatron-core's dataset helpers with it)")

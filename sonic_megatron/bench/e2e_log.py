@@ -80,10 +80,6 @@ def parse_log(lines) -> dict:
     }
 
 
-def _mean_of_last(values: list[float], n: int) -> float | None:
-    return statistics.fmean(values[-n:]) if values else None
-
-
 def summarize(parsed: dict, *, warmup: int, tokens_per_iteration: int, num_gpus: int) -> dict:
     """Statistics of the iterations after the first ``warmup`` ones: median / min / max ms per iteration,
     tokens/s/GPU and TFLOP/s/GPU at the median, peak memory (the largest "max allocated" reported), the
@@ -97,6 +93,7 @@ def summarize(parsed: dict, *, warmup: int, tokens_per_iteration: int, num_gpus:
     peaks = [m["max allocated"] for m in parsed["memory"] if "max allocated" in m]
     reserved = [m["max reserved"] for m in parsed["memory"] if "max reserved" in m]
     losses = [it.get(LOSS_KEY) for it in its]
+    logged = [v for v in losses if v is not None]
     return {
         "baseline_experts": parsed.get("baseline_experts"),
         "iterations_logged": len(its),
@@ -108,8 +105,8 @@ def summarize(parsed: dict, *, warmup: int, tokens_per_iteration: int, num_gpus:
         "tflops_per_gpu": statistics.median(tflops) if tflops else None,
         "peak_allocated_mib": max(peaks) if peaks else None,
         "peak_reserved_mib": max(reserved) if reserved else None,
-        "final_loss": next((v for v in reversed(losses) if v is not None), None),
-        "final_loss_mean10": _mean_of_last([v for v in losses if v is not None], 10),
+        "final_loss": logged[-1] if logged else None,
+        "final_loss_mean10": statistics.fmean(logged[-10:]) if logged else None,
         "losses": losses,
         "ms_per_iter": [it.get(MS_KEY) for it in its],
     }

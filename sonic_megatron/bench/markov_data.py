@@ -19,21 +19,25 @@ import os
 import numpy as np
 
 
+def successor_probs(successors: int) -> np.ndarray:
+    """probs_S [successors]: each successor half as likely as the one before, normalised."""
+    probs_S = 0.5 ** np.arange(successors)
+    return probs_S / probs_S.sum()
+
+
 def transition_table(vocab: int, successors: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(next_VS [vocab, successors] token ids, probs_S [successors]) of the chain."""
     if vocab < 2 or not 1 <= successors <= vocab:
         raise ValueError(f"markov data: need vocab >= 2 and 1 <= successors <= vocab, got {vocab}, {successors}")
     rng = np.random.default_rng(seed)
     next_VS = rng.integers(0, vocab, size=(vocab, successors), dtype=np.int64)
-    probs_S = 0.5 ** np.arange(successors)
-    return next_VS, probs_S / probs_S.sum()
+    return next_VS, successor_probs(successors)
 
 
 def entropy_rate(successors: int) -> float:
     """The chain's entropy per token in nats (the loss floor of a perfect model; repeated successor ids,
     rare at a large vocabulary, only lower it)."""
-    p = 0.5 ** np.arange(successors)
-    p /= p.sum()
+    p = successor_probs(successors)
     return float(-(p * np.log(p)).sum())
 
 
