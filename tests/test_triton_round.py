@@ -39,7 +39,14 @@ def _routing(T, E, K, seed, ties, dtype=torch.float32):
     return scores, idx, dense
 
 
-CASES = [(150, 8, 2, 16, 3, True), (96, 8, 2, 16, 0, False), (200, 16, 4, 32, 1, True), (7, 3, 2, 4, 3, False)]
+# (70, 40, ...): more experts than one keys program holds (two expert blocks, the second partial)
+CASES = [
+    (150, 8, 2, 16, 3, True),
+    (96, 8, 2, 16, 0, False),
+    (200, 16, 4, 32, 1, True),
+    (7, 3, 2, 4, 3, False),
+    (70, 40, 3, 16, 2, True),
+]
 
 
 @pytest.mark.parametrize("mode", ["nearest", "up", "down"])
