@@ -6,6 +6,7 @@ against Megatron's SequentialMLP with the same weights (outputs and gradients), 
 from __future__ import annotations
 
 import argparse
+import gzip
 import inspect
 import json
 import os
@@ -208,6 +209,8 @@ def test_markov_data_flags_and_dataset(tmp_path):
         (dict(nproc=2, ep=3), "--ep: must divide --nproc (2)"),
         (dict(iters=5, warmup=5), "--warmup: must be in [0, --iters)"),
         (dict(timeout=0), "--timeout: must be > 0"),
+        (dict(profile=-1), "--profile: must be 0 (off) or N >= 1"),
+        (dict(iters=10, warmup=5, profile=3), "got --profile 3 --iters 10 --warmup 5"),
     ],
 )
 def test_argument_errors(kw, message):
@@ -447,3 +450,65 @@ def test_train_specs():
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)
     assert parser.parse_args([]).specs == "sonic,grouped"
+
+
+def _trace(path, iterations_us):
+    """A Chrome trace: QuACK and cuBLAS GEMMs, an optimizer kernel, a Triton kernel, a copy and a memset, with
+    gaps; ``iterations_us`` = the window covered."""
+    ev = [
+        {"ph": "X", "cat": "kernel", "name": "kernel_cutlass_kernel_quackgemm_default_epiGemm", "ts": 0, "dur": 300},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_256x128", "ts": 250, "dur": 100},  # overlaps 50
+        {"ph": "X", "cat": "kernel", "name": "_gather_sum_kernel", "ts": 400, "dur": 100},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 600, "dur": 200},
+        {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 800, "dur": 50},
+        {"ph": "X", "cat": "kernel", "name": "void at::native::multi_tensor_apply_kernel<...>", "ts": 900, "dur": 100},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},  # host events are not GPU time
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 10},
+    ]
+    assert max(e["ts"] + e.get("dur", 0) for e in ev if e["cat"] != "cpu_op") == iterations_us
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+
+
+def test_profile_summary_per_iteration(tmp_path):
+    from sonic_megatron.bench import e2e_profile
+
+    tb = tmp_path / "run-profile" / "tb"
+    trace = e2e_profile.trace_path(str(tb))
+    assert trace == str(tmp_path / "run-profile" / "torch_profile" / "rank-0.json.gz")
+    os.makedirs(os.path.dirname(trace))
+    _trace(trace, 1000)
+    prof = e2e_profile.summarize_trace(trace, iterations=2)
+    # busy: 0-350 (two GEMMs overlapping), 400-500, 600-850, 900-1000 = 800 us over 2 iterations
+    assert prof["busy_ms"] == pytest.approx(0.4) and prof["idle_ms"] == pytest.approx(0.1)
+    fam = prof["families_ms"]
+    assert fam["expert_gemms_quack"] == pytest.approx(0.15) and fam["dense_gemms"] == pytest.approx(0.05)
+    assert fam["triton"] == pytest.approx(0.05) and fam["copies"] == pytest.approx(0.1)
+    assert fam["memsets"] == pytest.approx(0.025) and fam["optimizer_multi_tensor"] == pytest.approx(0.05)
+    assert prof["top_kernels"][0] == {
+        "name": "kernel_cutlass_kernel_quackgemm_default_epiGemm",
+        "ms": pytest.approx(0.15),
+        "calls": 0.5,
+    }
+    rows, columns = e2e_profile.table_rows([{"provider": "sonic", "profile": prof}, {"provider": "x", "profile": None}])
+    assert [r["provider"] for r in rows] == ["sonic"] and columns[:3] == ["provider", "busy_ms", "idle_ms"]
+    assert rows[0]["grouped_gemms_cutlass"] == 0.0
+    with pytest.raises(ValueError, match="no GPU events"):
+        empty = tmp_path / "empty.json"
+        empty.write_text(json.dumps({"traceEvents": []}))
+        e2e_profile.summarize_trace(str(empty), 1)
+
+
+def test_profile_flags_and_untimed_iterations(tmp_path):
+    from sonic_megatron.bench import e2e_profile
+
+    args = _args(megatron_lm=tmp_path, nproc=1, iters=12, warmup=3, profile=2, dry_run=True)
+    assert e2e.validate(args, gpu_count=0)[2] == 1
+    flags = e2e_profile.megatron_flags(12, 2, "/logs/run-profile/tb")
+    assert _flag(flags, "--profile-step-start", 2) == ["10", "--profile-step-end"]
+    assert _flag(flags, "--profile-step-end") == "12" and "--use-pytorch-profiler" in flags
+    assert e2e_profile.last_timed_iteration(12, 2) == 8  # 9: the profiler's warm-up; 10, 11 profiled; 12 writes
+    lines = [_iteration_line(i, 12, 100.0 + (50 if i > 8 else 0), 1.0, 5.0) for i in range(1, 13)]
+    s = summarize(parse_log(lines), warmup=3, tokens_per_iteration=1, num_gpus=1, last_timed=8)
+    assert s["iterations_timed"] == 5 and s["ms_per_iter_max"] == 100.0
+    assert e2e.profile_dir(str(tmp_path / "e2e-qwen3-sonic.log")) == str(tmp_path / "e2e-qwen3-sonic-profile" / "tb")

@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from . import e2e_profile
 from .e2e_log import LOSS_KEY, MS_KEY, TFLOPS_KEY, failure_excerpt, parse_iteration, parse_log, summarize
 from .markov_data import entropy_rate
 from .megatron_lm import install_dataset_sources
@@ -114,6 +115,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "of iterations)",
     )
     parser.add_argument("--pretrain-args", default="", help="extra pretrain_gpt.py flags for every provider")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile each provider's last N iterations (Megatron's --profile --use-pytorch-profiler) and report "
+        "GPU busy / idle time and time per kernel family per iteration; those iterations, the profiler's "
+        "warm-up one and the last one are not timed (default 0: off)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print each provider's command and stop")
     parser.add_argument(
         "--print-flags",
@@ -164,6 +174,12 @@ def validate(args: argparse.Namespace, *, gpu_count: int) -> tuple[Shape, list[s
         raise ValueError(f"--warmup: must be in [0, --iters), got --warmup {args.warmup} --iters {args.iters}")
     if args.timeout <= 0:
         raise ValueError(f"--timeout: must be > 0 seconds, got {args.timeout}")
+    if args.profile < 0 or (args.profile and e2e_profile.last_timed_iteration(args.iters, args.profile) <= args.warmup):
+        raise ValueError(
+            f"--profile: must be 0 (off) or N >= 1 with --iters > --warmup + N + 2 (the N profiled iterations, the "
+            f"profiler's warm-up one and the last one are not timed), got --profile {args.profile} "
+            f"--iters {args.iters} --warmup {args.warmup}"
+        )
     return shape, providers, nproc
 
 
@@ -307,6 +323,11 @@ def _log_excerpt(log_path: str) -> list[str]:
         return failure_excerpt([line.rstrip("\n") for line in f], tail=LOG_TAIL_LINES)
 
 
+def profile_dir(log_path: str) -> str:
+    """The ``--tensorboard-dir`` of a profiled run (the trace lands beside it, ``e2e_profile.trace_path``)."""
+    return os.path.join(os.path.splitext(log_path)[0] + "-profile", "tb")
+
+
 def run_provider(name: str, index: int, count: int, cmd: list[str], env: dict, log_path: str, args) -> dict:
     shape = CONFIGS[args.config]
     tag = f"[{index}/{count}] {name}"
@@ -322,6 +343,7 @@ def run_provider(name: str, index: int, count: int, cmd: list[str], env: dict, l
         warmup=args.warmup,
         tokens_per_iteration=shape.global_batch * shape.seq,
         num_gpus=args.nproc_resolved,
+        last_timed=e2e_profile.last_timed_iteration(args.iters, args.profile) if args.profile else None,
     )
     if timed_out:
         status = "timeout"
@@ -349,6 +371,13 @@ def run_provider(name: str, index: int, count: int, cmd: list[str], env: dict, l
             f"{stats['ms_per_iter_max']:.1f}), peak allocated {stats['peak_allocated_mib'] or 0:.0f} MiB"
         )
     print(summary, flush=True)
+    if args.profile and status == "ok":
+        trace = e2e_profile.trace_path(profile_dir(log_path))
+        try:
+            row["profile"] = e2e_profile.summarize_trace(trace, args.profile)
+        except (OSError, ValueError) as exc:
+            row["profile"] = None
+            print(f"  warning: no profile summary from {trace}: {exc}", flush=True)
     if status != "ok":
         row["log_tail"] = _log_excerpt(log_path)
         print(f"  first error and last lines of {log_path}:", flush=True)
@@ -426,12 +455,13 @@ def run(args: argparse.Namespace) -> int:
     )
     rows = []
     for i, name in enumerate(providers, start=1):
-        cmd = torchrun_command(pretrain_gpt, nproc, flags + provider_flags(name))
+        log_path = os.path.join(log_dir, f"e2e-{args.config}-{name}.log")
+        extra = e2e_profile.megatron_flags(args.iters, args.profile, profile_dir(log_path)) if args.profile else []
+        cmd = torchrun_command(pretrain_gpt, nproc, flags + provider_flags(name) + extra)
         env = provider_env(name, args.megatron_lm, dict(os.environ))
         if args.dry_run:
             print(f"[{i}/{len(providers)}] {name}: {shell_line(cmd, env)}")
             continue
-        log_path = os.path.join(log_dir, f"e2e-{args.config}-{name}.log")
         rows.append(run_provider(name, i, len(providers), cmd, env, log_path, args))
     if args.dry_run:
         return 0
@@ -452,6 +482,10 @@ def run(args: argparse.Namespace) -> int:
         "elapsed_s",
     ]
     print_table(rows, columns)
+    if args.profile:
+        prof_rows, prof_columns = e2e_profile.table_rows(rows)
+        print(f"GPU ms per iteration over each provider's last {args.profile} iterations (torch profiler):")
+        print_table(prof_rows, prof_columns)
     write_json(
         args.json,
         {

@@ -80,13 +80,20 @@ def parse_log(lines) -> dict:
     }
 
 
-def summarize(parsed: dict, *, warmup: int, tokens_per_iteration: int, num_gpus: int) -> dict:
-    """Statistics of the iterations after the first ``warmup`` ones: median / min / max ms per iteration,
+def summarize(
+    parsed: dict, *, warmup: int, tokens_per_iteration: int, num_gpus: int, last_timed: int | None = None
+) -> dict:
+    """Statistics of the iterations after the first ``warmup`` ones (and up to ``last_timed``, when given: the
+    iterations the profiler touches are not timed): median / min / max ms per iteration,
     tokens/s/GPU and TFLOP/s/GPU at the median, peak memory (the largest "max allocated" reported), the
     loss curve of every iteration, the last loss and the mean of the last 10 (one step's loss is noisy).
     Missing values are None (a run that died early)."""
     its = parsed["iterations"]
-    timed = [it for it in its if it["iteration"] > warmup and MS_KEY in it]
+    timed = [
+        it
+        for it in its
+        if it["iteration"] > warmup and (last_timed is None or it["iteration"] <= last_timed) and MS_KEY in it
+    ]
     ms = [it[MS_KEY] for it in timed]
     tflops = [it[TFLOPS_KEY] for it in timed if TFLOPS_KEY in it]
     median_ms = statistics.median(ms) if ms else None
