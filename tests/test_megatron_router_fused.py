@@ -11,8 +11,6 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # inherited by the spawned worker before it imports Triton
-
 FUSED_CASES = {
     "plain": dict(),
     "aux_zloss_scaling": dict(
@@ -96,7 +94,18 @@ def results(tmp_path_factory):
     from sonic_megatron.testing import spawn
 
     out = tmp_path_factory.mktemp("router_fused")
-    spawn(_worker, 1, str(out), timeout=600)
+    # The worker runs on the CPU, its Triton kernel under the interpreter, which it must see before it imports
+    # Triton: a spawned process takes the environment at its start. This process keeps its own (set here for
+    # good, the interpreter would also run every later test's kernels on a GPU machine).
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        spawn(_worker, 1, str(out), timeout=600)
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
     return json.load(open(out / "result.json"))
 
 
