@@ -39,7 +39,7 @@ from .token_dispatch import EPOptions, TokenRounding, combine, dispatch, make_pl
 # holds few tiles. Measured on one H100 (Megatron-LM pretrain_gpt.py, 200 iterations on the markov corpus,
 # docs/PERF.md): 2 tiles per expert on average (256 pairs, tile 128) ended 7 % above top-K's loss, 4 tiles matched it.
 FEW_TILES_PER_EXPERT = 4
-_warned_few_tiles: set[tuple[int, int]] = set()
+_warned_few_tiles: set[tuple] = set()  # few_tiles_message's arguments already checked
 
 
 def few_tiles_message(num_tokens: int, topk: int, ep_size: int, num_experts: int, mode: str, tile: int) -> str | None:
@@ -151,15 +151,19 @@ class SonicTokenDispatcher(MoETokenDispatcher):
         return TokenRounding(mode=self.sonic.token_rounding, tile=self.sonic.rounding_tile)
 
     def _warn_few_tiles(self, num_tokens: int) -> None:
-        """``few_tiles_message`` as a warning, once per process and (tokens, tile)."""
-        key = (num_tokens, self.sonic.rounding_tile)
+        """``few_tiles_message`` as a warning, once per process and set of its arguments."""
+        key = (
+            num_tokens,
+            self.topk,
+            self.ep_size,
+            self.num_experts,
+            self.sonic.token_rounding,
+            self.sonic.rounding_tile,
+        )
         if key in _warned_few_tiles:
             return
         _warned_few_tiles.add(key)
-        sonic = self.sonic
-        msg = few_tiles_message(
-            num_tokens, self.topk, self.ep_size, self.num_experts, sonic.token_rounding, sonic.rounding_tile
-        )
+        msg = few_tiles_message(*key)
         if msg is not None:
             warnings.warn(msg, UserWarning, stacklevel=3)
 

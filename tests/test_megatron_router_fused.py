@@ -97,15 +97,9 @@ def results(tmp_path_factory):
     # The worker runs on the CPU, its Triton kernel under the interpreter, which it must see before it imports
     # Triton: a spawned process takes the environment at its start. This process keeps its own (set here for
     # good, the interpreter would also run every later test's kernels on a GPU machine).
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TRITON_INTERPRET", "1")
         spawn(_worker, 1, str(out), timeout=600)
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
     return json.load(open(out / "result.json"))
 
 
