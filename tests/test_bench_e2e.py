@@ -18,7 +18,14 @@ import pytest
 import torch
 
 from sonic_megatron.bench import e2e, megatron_lm
-from sonic_megatron.bench.e2e_log import failure_excerpt, parse_iteration, parse_log, parse_memory, summarize
+from sonic_megatron.bench.e2e_log import (
+    failure_excerpt,
+    parse_iteration,
+    parse_log,
+    parse_memory,
+    parse_validation,
+    summarize,
+)
 
 
 def _iteration_line(it: int, total: int, ms: float, tflops: float, loss: float) -> str:
@@ -49,6 +56,14 @@ def _memory_line(after: int, max_allocated: float) -> str:
     return f"[Rank {0}] {string}"
 
 
+def _validation_line(it: int, loss: float) -> str:
+    """evaluate_and_print_results (megatron/training/training.py, core_r0.19.0) after training."""
+    string = f" validation loss at iteration {it} on validation set | "
+    string += "{} value: {:.6E} | ".format("lm loss", loss)
+    string += "{} PPL: {:.6E} | ".format("lm loss", 2.718281828**loss)
+    return string
+
+
 def test_parse_megatron_lines():
     it = parse_iteration(_iteration_line(7, 30, 812.4, 201.3, 10.3456))
     assert it["iteration"] == 7 and it["train_iters"] == 30
@@ -67,6 +82,12 @@ def test_parse_megatron_lines():
     }
     assert parse_iteration("number of skipped iterations:   0 |") is None
     assert parse_memory(_iteration_line(1, 2, 1.0, 1.0, 1.0)) is None
+    val = parse_validation(_validation_line(200, 1.6509))
+    assert val["iteration"] == 200 and val["lm loss value"] == pytest.approx(1.6509)
+    assert parse_validation(_iteration_line(1, 2, 1.0, 1.0, 1.0)) is None
+    lines = [_iteration_line(1, 1, 5.0, 1.0, 2.5), _validation_line(1, 2.25)]
+    assert summarize(parse_log(lines), warmup=0, tokens_per_iteration=1, num_gpus=1)["eval_loss"] == 2.25
+    assert summarize(parse_log(lines[:1]), warmup=0, tokens_per_iteration=1, num_gpus=1)["eval_loss"] is None
 
 
 def test_failure_excerpt_shows_the_first_traceback():
@@ -177,6 +198,15 @@ def test_markov_data_flags_and_dataset(tmp_path):
     flags = e2e.pretrain_flags(shape, iters=20, ep=1, seed=5, data_path=path)
     assert "--mock-data" not in flags and _flag(flags, "--data-path") == path and _flag(flags, "--split") == "100,0,0"
     assert _args().data == "mock" and "--mock-data" in e2e.pretrain_flags(shape, iters=20, ep=1, seed=5)
+    assert _flag(flags, "--eval-iters") == "0"
+    # --eval-iters: held-out documents after the training ones, the split in documents, validation after training.
+    eval_sizes = e2e.markov_data_sizes(shape, _args(config="small", data="markov", iters=20, seed=5, eval_iters=3))
+    assert (eval_sizes["docs"], eval_sizes["valid_docs"]) == (1024, 64) and e2e.markov_split(eval_sizes) == "1024,64,0"
+    eval_path = e2e.markov_data_path(str(tmp_path), eval_sizes)
+    assert "d1024x1025-valid64-seed5" in eval_path
+    flags = e2e.pretrain_flags(shape, iters=20, ep=1, seed=5, data_path=eval_path, split="1024,64,0", eval_iters=3)
+    assert _flag(flags, "--split") == "1024,64,0" and _flag(flags, "--eval-iters") == "3"
+    assert int(_flag(flags, "--eval-interval")) > 20, "no validation during training"
 
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -192,6 +222,13 @@ def test_markov_data_flags_and_dataset(tmp_path):
     follows = (next_VS[tokens[:, :-1]] == tokens[:, 1:, None]).any(-1)
     assert follows.all() and probs_S == pytest.approx([4 / 7, 2 / 7, 1 / 7])
     assert markov_data.entropy_rate(1) == 0.0 and 0.9 < markov_data.entropy_rate(3) < 1.0
+    # Held-out walks follow the same chain, after the training walks, which do not depend on them.
+    held = markov_data.write_dataset(str(tmp_path / "mv" / "tokens"), **sizes, valid_docs=4)
+    ds_held = IndexedDataset(held)
+    valid = markov_data.generate(**{**sizes, "docs": 4}, held_out=True)
+    assert len(ds_held) == 10 and all((ds_held[i] == tokens[i]).all() for i in range(6))
+    assert all((ds_held[6 + i] == valid[i]).all() for i in range(4)) and not (valid == tokens[:4]).all()
+    assert (next_VS[valid[:, :-1]] == valid[:, 1:, None]).any(-1).all()
     # Written once: a second call with a dataset in place leaves it as it is.
     mtime = os.path.getmtime(prefix + ".bin")
     assert markov_data.write_dataset(prefix, **sizes) == prefix and os.path.getmtime(prefix + ".bin") == mtime
@@ -209,6 +246,8 @@ def test_markov_data_flags_and_dataset(tmp_path):
         (dict(nproc=2, ep=3), "--ep: must divide --nproc (2)"),
         (dict(iters=5, warmup=5), "--warmup: must be in [0, --iters)"),
         (dict(timeout=0), "--timeout: must be > 0"),
+        (dict(eval_iters=2), "--eval-iters: must be 0 (off) or N >= 1 with --data markov"),
+        (dict(eval_iters=-1, data="markov"), "got --eval-iters -1 --data markov"),
         (dict(profile=-1), "--profile: must be 0 (off) or N >= 1"),
         (dict(iters=10, warmup=5, profile=3), "got --profile 3 --iters 10 --warmup 5"),
     ],
@@ -254,15 +293,23 @@ for i in range(1, iters + 1):
     print(LINE(i, iters, base + i % 2, 100.0, 10.0 - 0.1 * i), flush=True)
     if i in (1, 2, iters):
         print(MEM(i, 1000.0 if rounding else 2000.0), flush=True)
+if int(args[args.index("--eval-iters") + 1]):
+    print(VAL(iters, 3.0 if rounding == "nearest" else 2.0), flush=True)
 """
 
 
-def test_failing_provider_does_not_stop_the_others(tmp_path, capsys):
+def _fake_megatron_lm(tmp_path):
     mlm = tmp_path / "mlm"
     mlm.mkdir()
-    helpers = f"LINE = {_iteration_line.__name__}\nMEM = {_memory_line.__name__}\n"
-    source = "\n".join(textwrap.dedent(inspect.getsource(f)) for f in (_iteration_line, _memory_line))
+    funcs = (_iteration_line, _memory_line, _validation_line)
+    helpers = "LINE, MEM, VAL = " + ", ".join(f.__name__ for f in funcs) + "\n"
+    source = "\n".join(textwrap.dedent(inspect.getsource(f)) for f in funcs)
     (mlm / "pretrain_gpt.py").write_text(source + "\n" + helpers + FAKE_PRETRAIN)
+    return mlm
+
+
+def test_failing_provider_does_not_stop_the_others(tmp_path, capsys):
+    mlm = _fake_megatron_lm(tmp_path)
     out = tmp_path / "e2e.json"
     args = _args(
         json=out,
@@ -293,6 +340,34 @@ def test_failing_provider_does_not_stop_the_others(tmp_path, capsys):
         assert os.path.isfile(row["log"])
     assert rows["sonic"]["peak_allocated_mib"] == 1000.0 and rows["sequential"]["peak_allocated_mib"] == 2000.0
     assert result["config"] == "small" and result["nproc"] == 1
+
+
+def test_eval_loss_per_provider(tmp_path, capsys):
+    """--data markov --eval-iters: the dataset with held-out walks, its split and the validation flags in every
+    provider's command, each provider's validation loss in its row and the table."""
+    out = tmp_path / "e2e.json"
+    args = _args(
+        json=out,
+        megatron_lm=_fake_megatron_lm(tmp_path),
+        nproc=1,
+        config="small",
+        providers="sonic,sonic-rounding",
+        iters=4,
+        warmup=1,
+        data="markov",
+        eval_iters=2,
+        timeout=120,
+    )
+    assert e2e.run(args) == 0
+    printed = capsys.readouterr().out
+    assert "eval_loss" in printed and "[sonic-rounding] validation loss after iteration 4: 3.0000" in printed
+    result = json.loads(out.read_text())
+    rows = {r["provider"]: r for r in result["rows"]}
+    assert rows["sonic"]["eval_loss"] == 2.0 and rows["sonic-rounding"]["eval_loss"] == 3.0
+    assert result["eval_iters"] == 2 and result["data"] == "markov"
+    cmd = rows["sonic"]["command"]
+    assert _flag(cmd, "--split") == "1024,48,0" and _flag(cmd, "--eval-iters") == "2"
+    assert os.path.isfile(_flag(cmd, "--data-path") + ".idx")
 
 
 def test_ratios_to_grouped():

@@ -4,7 +4,10 @@ Each provider is one ``torchrun ... pretrain_gpt.py`` run (same flags, seed and 
 with ``--data markov`` a synthetic corpus that no model memorises, ``markov_data.py``), one after another
 on this machine; the iteration log gives ms/iteration (median of the iterations after ``--warmup``, with the
 min/max spread), tokens/s/GPU, Megatron's TFLOP/s/GPU, peak allocated memory (Megatron's memory report of
-rank 0, after iterations 1, 2 and the last one) and the loss curve. Providers:
+rank 0, after iterations 1, 2 and the last one) and the loss curve; with ``--eval-iters N`` (markov data) also
+the loss on held-out walks after training, Megatron's validation, where the plugin's layer routes plain top-K
+in every provider: the quality of the trained model, the measure SonicMoE's paper compares token rounding by,
+apart from the training loss of the rounded forward passes. Providers:
 
     sonic           --spec sonic_megatron.spec sonic_block_spec (SONIC_MEGATRON_TOKEN_ROUNDING=none)
     sonic-rounding  the same with SONIC_MEGATRON_TOKEN_ROUNDING=nearest
@@ -32,7 +35,17 @@ import time
 from collections.abc import Callable
 
 from . import e2e_profile
-from .e2e_log import LOSS_KEY, MS_KEY, TFLOPS_KEY, failure_excerpt, parse_iteration, parse_log, summarize
+from .e2e_log import (
+    LOSS_KEY,
+    MS_KEY,
+    TFLOPS_KEY,
+    VALID_LOSS_KEY,
+    failure_excerpt,
+    parse_iteration,
+    parse_log,
+    parse_validation,
+    summarize,
+)
 from .markov_data import entropy_rate
 from .megatron_lm import install_dataset_sources
 
@@ -114,6 +127,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "chain's walks written as an indexed dataset under --log-dir (a loss that still compares after hundreds "
         "of iterations)",
     )
+    parser.add_argument(
+        "--eval-iters",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after training, Megatron's validation over N global batches of held-out markov walks (written "
+        "with the training ones; needs --data markov); reported as eval_loss (default 0: off)",
+    )
     parser.add_argument("--pretrain-args", default="", help="extra pretrain_gpt.py flags for every provider")
     parser.add_argument(
         "--profile",
@@ -172,6 +193,11 @@ def validate(args: argparse.Namespace, *, gpu_count: int) -> tuple[Shape, list[s
         )
     if args.iters < 1 or not 0 <= args.warmup < args.iters:
         raise ValueError(f"--warmup: must be in [0, --iters), got --warmup {args.warmup} --iters {args.iters}")
+    if args.eval_iters < 0 or (args.eval_iters and args.data != "markov"):
+        raise ValueError(
+            f"--eval-iters: must be 0 (off) or N >= 1 with --data markov (held-out walks; mock data is memorised), "
+            f"got --eval-iters {args.eval_iters} --data {args.data}"
+        )
     if args.timeout <= 0:
         raise ValueError(f"--timeout: must be > 0 seconds, got {args.timeout}")
     if args.profile < 0 or (args.profile and e2e_profile.last_timed_iteration(args.iters, args.profile) <= args.warmup):
@@ -183,12 +209,22 @@ def validate(args: argparse.Namespace, *, gpu_count: int) -> tuple[Shape, list[s
     return shape, providers, nproc
 
 
-def pretrain_flags(shape: Shape, *, iters: int, ep: int, seed: int, data_path: str | None = None) -> list[str]:
+def pretrain_flags(
+    shape: Shape,
+    *,
+    iters: int,
+    ep: int,
+    seed: int,
+    data_path: str | None = None,
+    split: str = "100,0,0",
+    eval_iters: int = 0,
+) -> list[str]:
     """pretrain_gpt.py flags shared by every provider: the shape, bf16 SwiGLU without biases, the alltoall
-    dispatcher with aux loss and an fp32 router, mock data (or the indexed dataset at ``data_path``), the local
-    transformer implementation (no Transformer Engine needed), fused kernels off (they need apex/TE), a log
-    line per iteration with throughput, and a memory report at the last iteration too."""
-    data = ["--mock-data"] if data_path is None else ["--data-path", data_path, "--split", "100,0,0"]
+    dispatcher with aux loss and an fp32 router, mock data (or the indexed dataset at ``data_path``, parts by
+    ``split``), the local transformer implementation (no Transformer Engine needed), fused kernels off (they
+    need apex/TE), a log line per iteration with throughput, a memory report at the last iteration too, and
+    ``eval_iters`` batches of validation after training only (none during it)."""
+    data = ["--mock-data"] if data_path is None else ["--data-path", data_path, "--split", split]
     return [
         *("--num-layers", str(shape.layers), "--hidden-size", str(shape.hidden)),
         *("--num-attention-heads", str(shape.heads), "--seq-length", str(shape.seq)),
@@ -207,22 +243,37 @@ def pretrain_flags(shape: Shape, *, iters: int, ep: int, seed: int, data_path: s
         *("--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion"),
         *("--no-persist-layer-norm", "--no-rope-fusion"),
         *("--log-interval", "1", "--log-throughput", "--log-memory-interval", str(iters)),
-        *("--eval-iters", "0", "--eval-interval", "1000000"),
+        *("--eval-iters", str(eval_iters), "--eval-interval", "1000000"),
     ]
 
 
 def markov_data_sizes(shape: Shape, args: argparse.Namespace) -> dict:
     """The markov dataset for a run: one document per sample, enough for every iteration once (no epoch
-    repeats), at least 1024 documents."""
+    repeats), at least 1024 documents; and as many held-out documents as ``--eval-iters`` batches take."""
     docs = max(1024, shape.global_batch * args.iters + shape.global_batch)
-    return dict(vocab=VOCAB, successors=MARKOV_SUCCESSORS, docs=docs, doc_len=shape.seq + 1, seed=args.seed)
+    valid_docs = shape.global_batch * (args.eval_iters + 1) if args.eval_iters else 0
+    return dict(
+        vocab=VOCAB,
+        successors=MARKOV_SUCCESSORS,
+        docs=docs,
+        doc_len=shape.seq + 1,
+        seed=args.seed,
+        valid_docs=valid_docs,
+    )
 
 
 def markov_data_path(log_dir: str, sizes: dict) -> str:
     """The ``--data-path`` prefix under ``log_dir`` of the dataset of ``markov_data_sizes``; its name holds every
     size that shapes it."""
-    name = "markov-v{vocab}-s{successors}-d{docs}x{doc_len}-seed{seed}".format(**sizes)
-    return os.path.join(os.path.abspath(log_dir), name, "tokens")
+    name = "markov-v{vocab}-s{successors}-d{docs}x{doc_len}".format(**sizes)
+    name += f"-valid{sizes['valid_docs']}" if sizes["valid_docs"] else ""
+    return os.path.join(os.path.abspath(log_dir), name + f"-seed{sizes['seed']}", "tokens")
+
+
+def markov_split(sizes: dict) -> str:
+    """``--split`` in documents: the training walks, then the held-out ones (Megatron normalises the weights,
+    so the parts are exactly these documents)."""
+    return f"{sizes['docs']},{sizes['valid_docs']},0" if sizes["valid_docs"] else "100,0,0"
 
 
 def provider_flags(name: str) -> list[str]:
@@ -300,9 +351,15 @@ def _stop_group(proc: subprocess.Popen) -> None:
 
 
 def _progress_printer(name: str, iters: int) -> Callable[[str], None]:
-    """Prints iteration 1, every 10th and the last one of a run as they come."""
+    """Prints iteration 1, every 10th and the last one of a run, and its validation loss, as they come."""
 
     def on_line(line: str) -> None:
+        val = parse_validation(line)
+        if val is not None and VALID_LOSS_KEY in val:
+            print(
+                f"  [{name}] validation loss after iteration {val['iteration']}: {val[VALID_LOSS_KEY]:.4f}", flush=True
+            )
+            return
         it = parse_iteration(line)
         if it is None or not (it["iteration"] in (1, iters) or it["iteration"] % 10 == 0):
             return
@@ -423,7 +480,15 @@ def run(args: argparse.Namespace) -> int:
     log_dir = args.log_dir or (os.path.dirname(os.path.abspath(args.json)) if args.json else "out")
     markov_sizes = markov_data_sizes(shape, args) if args.data == "markov" else None
     data_path = markov_data_path(log_dir, markov_sizes) if markov_sizes else None
-    flags = pretrain_flags(shape, iters=args.iters, ep=args.ep, seed=args.seed, data_path=data_path)
+    flags = pretrain_flags(
+        shape,
+        iters=args.iters,
+        ep=args.ep,
+        seed=args.seed,
+        data_path=data_path,
+        split=markov_split(markov_sizes) if markov_sizes else "100,0,0",
+        eval_iters=args.eval_iters,
+    )
     flags += shlex.split(args.pretrain_args)
     if args.print_flags:
         print("\n".join(flags))
@@ -479,6 +544,7 @@ def run(args: argparse.Namespace) -> int:
         "memory_vs_grouped",
         "final_loss",
         "final_loss_mean10",
+        *(["eval_loss"] if args.eval_iters else []),
         "elapsed_s",
     ]
     print_table(rows, columns)
@@ -498,6 +564,7 @@ def run(args: argparse.Namespace) -> int:
             "warmup": args.warmup,
             "seed": args.seed,
             "data": args.data,
+            "eval_iters": args.eval_iters,
             "markov_entropy_nats": entropy_rate(MARKOV_SUCCESSORS) if args.data == "markov" else None,
             "megatron_lm": os.path.abspath(args.megatron_lm),
             "megatron_core": _megatron_core_version(),

@@ -9,6 +9,7 @@ every ``--log-memory-interval``)::
      norm: 3.21 | number of skipped iterations:   0 | number of nan iterations:   0 |
     [Rank 0] (after 30 iterations) memory (MB) | allocated: 1.2 | max allocated: 3.4 | reserved: 5.6 | max
      reserved: 7.8
+     validation loss at iteration 200 on validation set | lm loss value: 1.650962E+00 | lm loss PPL: 5.21E+00 |
 
 (each a single line in the log). Keys are kept as Megatron writes them ("elapsed time per iteration (ms)",
 "lm loss", ...).
@@ -24,6 +25,9 @@ ITERATION_RE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
 MEMORY_RE = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\)((?:\s*\|\s*[^|]+)+)")
 # Printed by sonic_megatron.baseline.grouped_block_spec: which experts module the baseline run built.
 BASELINE_EXPERTS_RE = re.compile(r"sonic_megatron\.baseline: routed experts (\w+)")
+# evaluate_and_print_results after training (``--eval-iters``), printed by the last rank.
+VALIDATION_RE = re.compile(r"\bvalidation loss at iteration (\d+) on validation set \|(.*)$")
+VALID_LOSS_KEY = "lm loss value"
 MS_KEY = "elapsed time per iteration (ms)"
 TFLOPS_KEY = "throughput per GPU (TFLOP/s/GPU)"
 LOSS_KEY = "lm loss"
@@ -60,22 +64,34 @@ def parse_memory(line: str) -> dict | None:
     return {"rank": int(m.group(1)), "after_iterations": int(m.group(2)), **_fields(m.group(3))}
 
 
+def parse_validation(line: str) -> dict | None:
+    """{"iteration": n, "lm loss value": v, ...} of a validation result line, else None."""
+    m = VALIDATION_RE.search(line)
+    if m is None:
+        return None
+    return {"iteration": int(m.group(1)), **_fields(m.group(2))}
+
+
 def parse_log(lines) -> dict:
-    """Every iteration record (last one wins per iteration number, in order) and memory report of a log, and
-    the baseline's experts class if the log names it."""
+    """Every iteration record (last one wins per iteration number, in order), memory report and validation
+    result of a log, and the baseline's experts class if the log names it."""
     iterations: dict[int, dict] = {}
     memory = []
+    validation = []
     baseline_experts = None
     for line in lines:
         if (it := parse_iteration(line)) is not None:
             iterations[it["iteration"]] = it
         elif (mem := parse_memory(line)) is not None:
             memory.append(mem)
+        elif (val := parse_validation(line)) is not None:
+            validation.append(val)
         elif (m := BASELINE_EXPERTS_RE.search(line)) is not None:
             baseline_experts = m.group(1)
     return {
         "iterations": [iterations[k] for k in sorted(iterations)],
         "memory": memory,
+        "validation": validation,
         "baseline_experts": baseline_experts,
     }
 
@@ -86,7 +102,8 @@ def summarize(
     """Statistics of the iterations after the first ``warmup`` ones (and up to ``last_timed``, when given: the
     iterations the profiler touches are not timed): median / min / max ms per iteration,
     tokens/s/GPU and TFLOP/s/GPU at the median, peak memory (the largest "max allocated" reported), the
-    loss curve of every iteration, the last loss and the mean of the last 10 (one step's loss is noisy).
+    loss curve of every iteration, the last loss and the mean of the last 10 (one step's loss is noisy), and the
+    last validation loss (``--eval-iters``).
     Missing values are None (a run that died early)."""
     its = parsed["iterations"]
     timed = [
@@ -101,6 +118,7 @@ def summarize(
     reserved = [m["max reserved"] for m in parsed["memory"] if "max reserved" in m]
     losses = [it.get(LOSS_KEY) for it in its]
     logged = [v for v in losses if v is not None]
+    valid = [v[VALID_LOSS_KEY] for v in parsed.get("validation", []) if VALID_LOSS_KEY in v]
     return {
         "baseline_experts": parsed.get("baseline_experts"),
         "iterations_logged": len(its),
@@ -114,6 +132,7 @@ def summarize(
         "peak_reserved_mib": max(reserved) if reserved else None,
         "final_loss": logged[-1] if logged else None,
         "final_loss_mean10": statistics.fmean(logged[-10:]) if logged else None,
+        "eval_loss": valid[-1] if valid else None,
         "losses": losses,
         "ms_per_iter": [it.get(MS_KEY) for it in its],
     }

@@ -9,7 +9,9 @@ a model reaches it only by learning a vocab x successors table: at ``bench e2e``
 iterations still lies ~0.5 nats above it, so it ranks how well a model trains.
 
 The chain is a function of (vocab, successors, seed) alone, and the documents of (docs, doc_len) too: every
-provider of a run, and every run with the same arguments, trains on the same tokens.
+provider of a run, and every run with the same arguments, trains on the same tokens. Held-out documents for
+validation (``valid_docs``) are other walks of the same chain, from a random stream of their own: asking for them
+leaves the training documents as they are.
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ def entropy_rate(successors: int) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def generate(vocab: int, successors: int, docs: int, doc_len: int, seed: int) -> np.ndarray:
-    """Token ids [docs, doc_len] (int32): ``docs`` independent walks of the chain from uniform starts."""
+def generate(vocab: int, successors: int, docs: int, doc_len: int, seed: int, *, held_out: bool = False) -> np.ndarray:
+    """Token ids [docs, doc_len] (int32): ``docs`` independent walks of the chain from uniform starts; with
+    ``held_out`` other walks of the same chain (an independent random stream: validation documents that no
+    training document repeats by construction, and training documents that do not depend on them)."""
     next_VS, probs_S = transition_table(vocab, successors, seed)
-    rng = np.random.default_rng(seed + 1)
+    rng = np.random.default_rng([seed, 1] if held_out else seed + 1)
     out = np.empty((docs, doc_len), dtype=np.int32)
     out[:, 0] = rng.integers(0, vocab, size=docs)
     choice_DL = rng.choice(successors, size=(docs, doc_len), p=probs_S)
@@ -53,19 +57,25 @@ def generate(vocab: int, successors: int, docs: int, doc_len: int, seed: int) ->
     return out
 
 
-def write_dataset(prefix: str, *, vocab: int, successors: int, docs: int, doc_len: int, seed: int) -> str:
-    """Write ``prefix``.bin / ``prefix``.idx (Megatron's indexed dataset, one document per walk) unless both
-    exist; returns ``prefix`` (the ``--data-path`` value)."""
+def write_dataset(
+    prefix: str, *, vocab: int, successors: int, docs: int, doc_len: int, seed: int, valid_docs: int = 0
+) -> str:
+    """Write ``prefix``.bin / ``prefix``.idx (Megatron's indexed dataset, one document per walk: the ``docs``
+    training walks, then ``valid_docs`` held-out ones, ``generate(..., held_out=True)``) unless both exist;
+    returns ``prefix`` (the ``--data-path`` value). ``--split docs,valid_docs,0`` gives Megatron exactly these
+    two parts."""
     if os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx"):
         return prefix
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    tokens = generate(vocab, successors, docs, doc_len, seed)
+    parts = [generate(vocab, successors, docs, doc_len, seed)]
+    if valid_docs:
+        parts.append(generate(vocab, successors, valid_docs, doc_len, seed, held_out=True))
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     tmp = f"{prefix}.tmp{os.getpid()}"
     builder = IndexedDatasetBuilder(tmp + ".bin", dtype=np.int32)
-    for row in tokens:
+    for row in np.concatenate(parts):
         builder.add_document(torch.from_numpy(row), [doc_len])
     builder.finalize(tmp + ".idx")
     # Renamed into place only when complete: an interrupted write never passes for a dataset.
