@@ -55,6 +55,7 @@ LOG_TAIL_LINES = 20
 DATA_CHOICES = ("mock", "markov")
 VOCAB = 32000
 MARKOV_SUCCESSORS = 4
+TRAIN_ONLY_SPLIT = "100,0,0"  # --split: every document trains
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +217,7 @@ def pretrain_flags(
     ep: int,
     seed: int,
     data_path: str | None = None,
-    split: str = "100,0,0",
+    split: str = TRAIN_ONLY_SPLIT,
     eval_iters: int = 0,
 ) -> list[str]:
     """pretrain_gpt.py flags shared by every provider: the shape, bf16 SwiGLU without biases, the alltoall
@@ -273,7 +274,7 @@ def markov_data_path(log_dir: str, sizes: dict) -> str:
 def markov_split(sizes: dict) -> str:
     """``--split`` in documents: the training walks, then the held-out ones (Megatron normalises the weights,
     so the parts are exactly these documents)."""
-    return f"{sizes['docs']},{sizes['valid_docs']},0" if sizes["valid_docs"] else "100,0,0"
+    return f"{sizes['docs']},{sizes['valid_docs']},0" if sizes["valid_docs"] else TRAIN_ONLY_SPLIT
 
 
 def provider_flags(name: str) -> list[str]:
@@ -480,15 +481,8 @@ def run(args: argparse.Namespace) -> int:
     log_dir = args.log_dir or (os.path.dirname(os.path.abspath(args.json)) if args.json else "out")
     markov_sizes = markov_data_sizes(shape, args) if args.data == "markov" else None
     data_path = markov_data_path(log_dir, markov_sizes) if markov_sizes else None
-    flags = pretrain_flags(
-        shape,
-        iters=args.iters,
-        ep=args.ep,
-        seed=args.seed,
-        data_path=data_path,
-        split=markov_split(markov_sizes) if markov_sizes else "100,0,0",
-        eval_iters=args.eval_iters,
-    )
+    data = {"data_path": data_path, "split": markov_split(markov_sizes)} if markov_sizes else {}  # else mock data
+    flags = pretrain_flags(shape, iters=args.iters, ep=args.ep, seed=args.seed, eval_iters=args.eval_iters, **data)
     flags += shlex.split(args.pretrain_args)
     if args.print_flags:
         print("\n".join(flags))

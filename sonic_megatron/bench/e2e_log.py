@@ -118,7 +118,7 @@ def summarize(
     reserved = [m["max reserved"] for m in parsed["memory"] if "max reserved" in m]
     losses = [it.get(LOSS_KEY) for it in its]
     logged = [v for v in losses if v is not None]
-    valid = [v[VALID_LOSS_KEY] for v in parsed.get("validation", []) if VALID_LOSS_KEY in v]
+    valid = [v[VALID_LOSS_KEY] for v in parsed["validation"] if VALID_LOSS_KEY in v]
     return {
         "baseline_experts": parsed.get("baseline_experts"),
         "iterations_logged": len(its),
