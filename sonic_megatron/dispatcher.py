@@ -36,9 +36,10 @@ from .router import as_topk
 from .token_dispatch import EPOptions, TokenRounding, combine, dispatch, make_plan, round_local
 
 # Token rounding moves up to rounding_tile - 1 pairs of every expert, a large share of an expert's batch when it
-# holds few tiles. Measured (Megatron-LM pretrain_gpt.py, 200 iterations on the markov corpus, docs/PERF.md): with
-# 2 tiles per expert on average (256 pairs, tile 128) the model ended 7 % above top-K's training loss and 6 % above
-# its validation loss; with 4 tiles from 0.5 % below (qwen3) to 2.7 % above (the sparse config).
+# holds few tiles. Measured with nearest rounding (Megatron-LM pretrain_gpt.py, 200 iterations on the markov corpus,
+# docs/PERF.md): with 2 tiles per expert on average (256 pairs, tile 128) the model ended 2.4 % above top-K's
+# training loss and 2.2 % above its validation loss; with 4 tiles from 1.6 % below (the sparse config) to 1.1 % above
+# (qwen3).
 FEW_TILES_PER_EXPERT = 4
 _warned_few_tiles: set[tuple] = set()  # few_tiles_message's arguments already checked
 
@@ -53,8 +54,9 @@ def few_tiles_message(num_tokens: int, topk: int, ep_size: int, num_experts: int
         f"SonicConfig.token_rounding={mode!r}: {per_expert:.0f} routed pairs per expert per micro-batch on average "
         f"({num_tokens} tokens x top-{topk} x EP {ep_size} / {num_experts} experts) is fewer than "
         f"{FEW_TILES_PER_EXPERT} x rounding_tile ({tile}). Rounding moves up to {tile - 1} pairs of every expert; "
-        "measured (pretrain_gpt.py, 200 iterations), 2 tiles per expert ended with a 6-7 % higher loss than top-K "
-        "and 4 tiles from -0.5 % to +2.7 % (docs/PERF.md). Use more tokens per micro-batch or token_rounding='none'."
+        "measured (pretrain_gpt.py, 200 iterations), 2 tiles per expert ended with a 2.2-2.4 % higher loss than "
+        "top-K and 4 tiles from -1.6 % to +1.1 % (docs/PERF.md). Use more tokens per micro-batch, "
+        "token_rounding='up' (+1.1 % at 2 tiles; it fills partial tiles, saving no GEMM tile) or token_rounding='none'."
     )
 
 

@@ -187,6 +187,9 @@ def test_flags_per_config_and_provider():
         f"PYTHONPATH={env['PYTHONPATH']} CUDA_DEVICE_MAX_CONNECTIONS=1 SONIC_MEGATRON_TOKEN_ROUNDING=nearest py 'a b'"
     )
     assert e2e.provider_env("sonic", "/m", {})["SONIC_MEGATRON_TOKEN_ROUNDING"] == "none"
+    for mode in ("up", "down"):  # a provider per other rounding mode, the plugin's spec
+        assert e2e.provider_env(f"sonic-rounding-{mode}", "/m", {})["SONIC_MEGATRON_TOKEN_ROUNDING"] == mode
+        assert e2e.provider_flags(f"sonic-rounding-{mode}") == e2e.provider_flags("sonic")
     assert "SONIC_MEGATRON_TOKEN_ROUNDING" not in e2e.provider_env("grouped", "/m", {})
 
 

@@ -12,9 +12,10 @@ from sonic_megatron.token_dispatch import TokenRounding, round_local, round_rout
 pytestmark = pytest.mark.gpu
 
 
-def _inputs(T, D, F, E, K, seed):
+def _inputs(T, D, F, E, K, seed, skew=0.0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     logits = torch.randn(T, E, device="cuda", generator=g)
+    logits -= skew * torch.arange(E, device="cuda") / E  # skew > 0: the last experts get few tokens
     dense = torch.softmax(logits, -1)
     top, idx = torch.topk(logits, K, dim=1)
     scores = torch.softmax(top, -1).requires_grad_()
@@ -24,9 +25,10 @@ def _inputs(T, D, F, E, K, seed):
     return TopKRouting(scores, idx), dense, x, w1, w2
 
 
+@pytest.mark.parametrize("skew", [0.0, 6.0])
 @pytest.mark.parametrize("mode", ["nearest", "up", "down"])
-def test_round_local_equals_reference_on_cuda(mode):
-    routing, dense, *_ = _inputs(4096, 64, 32, 64, 8, 0)
+def test_round_local_equals_reference_on_cuda(mode, skew):
+    routing, dense, *_ = _inputs(4096, 64, 32, 64, 8, 0, skew)
     rounding = TokenRounding(mode, 128)
     got = round_local(routing, dense, num_experts=64, rounding=rounding)
     T, K = routing.indices_TK.shape

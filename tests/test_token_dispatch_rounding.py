@@ -72,12 +72,13 @@ def test_rounding_invariants(mode, tile, shape):
     assert torch.equal(f, r.counts_before_E) and torch.equal(t, r.counts_after_E)
     assert bool((t % tile == 0).all()), f"counts {t.tolist()} not multiples of {tile}"
     assert bool(((t - f).abs() < tile).all())
-    # The target, computed independently: floor / ceil / nearest (ties to even), and floor where the
-    # group has fewer tokens than the rounded-up count.
+    # The target, computed independently: floor / ceil / nearest (ties to even; never 0 for a routed expert),
+    # and floor where the group has fewer tokens than the rounded-up count.
     for e in range(E):
         fe = int(f[e])
         lo, hi = fe // tile * tile, -(-fe // tile) * tile
-        want = {"down": lo, "up": hi, "nearest": round(fe / tile) * tile}[mode]
+        nearest = round(fe / tile) * tile or (tile if fe else 0)  # a routed expert keeps one tile
+        want = {"down": lo, "up": hi, "nearest": nearest}[mode]
         want = lo if want > T else want
         assert int(t[e]) == want, f"expert {e}: f={fe} -> {int(t[e])}, expected {want}"
     dense = probs.detach()

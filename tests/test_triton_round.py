@@ -98,3 +98,26 @@ def test_top_n_rows_reference_selects_the_largest_keys_lowest_tokens_first():
     thr, cut, out = top_n_rows_torch(key, torch.tensor([2, 0]), 3)
     assert thr.tolist() == [7, 2**31 - 1] and cut.tolist() == [2, -1]
     assert out.tolist() == [[1, 2, -1], [-1, -1, -1]]
+
+
+@pytest.mark.parametrize("path", ["kernels", "reference"])
+def test_nearest_never_empties_a_routed_expert(path):
+    """Experts with 0 < f <= tile / 2 routed pairs get one tile (SonicMoE's nearest rounding would empty them);
+    experts top-K never chose stay empty. Skewed logits give counts from 0 to well above the tile."""
+    T, E, K, M = 160, 12, 2, 16
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(T, E, generator=g) - 5.0 * torch.arange(E) / E
+    dense = torch.softmax(logits, -1)
+    idx = torch.topk(logits, K, dim=1).indices
+    scores = torch.softmax(logits.gather(1, idx), -1)
+    f = torch.bincount(idx.reshape(-1), minlength=E)
+    assert ((f > 0) & (f < M // 2)).any() and (f == 0).any() and (f > 2 * M).any(), f.tolist()
+    if path == "kernels":
+        got = _kernels().round_local_triton(
+            TopKRouting(scores.to(DEVICE), idx.to(DEVICE)), dense.to(DEVICE), E, "nearest", M
+        )
+    else:
+        got = round_local_torch(TopKRouting(scores, idx), dense, num_experts=E, rounding=TokenRounding("nearest", M))
+    t = torch.bincount(got.expert_idx_R.cpu(), minlength=E + 1)[:E]
+    want = torch.where((f > 0) & (f <= M // 2), M, torch.round(f.double() / M).long() * M)
+    assert torch.equal(t, want), (f.tolist(), t.tolist())

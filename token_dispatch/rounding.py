@@ -7,8 +7,9 @@ SonicMoE rounds each expert's row count to a multiple of the GEMM M tile. Under 
 expert's rows come from all P source ranks, so the decision must be global:
   1. f_e = the global routed count of expert e (sum over ranks);
   2. t_e = f_e rounded to a multiple of M: ``nearest`` (round half to even on f_e / M, as SonicMoE's
-     ``torch.round``), ``up`` or ``down``; |t_e - f_e| < M. If nearest/up asks for more tokens than the
-     group has (t_e > total tokens), t_e falls back to the multiple below;
+     ``torch.round``, except that 0 < f_e <= M / 2 gives M: an expert top-K routed to is never emptied),
+     ``up`` or ``down``; |t_e - f_e| < M. If nearest/up asks for more tokens than the group has (t_e > total
+     tokens), t_e falls back to the multiple below;
   3. t_e < f_e: drop the f_e - t_e routed pairs of e with the lowest routing scores across the group;
      t_e > f_e: add the t_e - f_e tokens with the highest ``rounding_scores_TE[:, e]`` that did not route to e;
   4. each rank contributes its M lowest routed and M highest non-routed candidates per expert (enough,
@@ -50,8 +51,13 @@ class TokenRounding:
     """Tile-aware token rounding per local expert shard (training only; pass ``None`` in evaluation).
 
     Attributes:
-        mode: ``"nearest"`` (default; round each expert's global count to the nearest multiple of ``tile``),
-            ``"up"`` (always pad with the best non-routed tokens) or ``"down"`` (always drop the weakest pairs).
+        mode: ``"nearest"`` (default; round each expert's global count to the nearest multiple of ``tile``,
+            but never to 0: an expert with 0 < count <= tile / 2 is padded to one tile), ``"up"`` (always pad
+            with the best non-routed tokens) or ``"down"`` (always drop the weakest pairs). The guard departs
+            from SonicMoE's nearest rounding, which empties such experts: those experts then learn nothing
+            from the micro-batch. In a measured run (docs/PERF.md: 256 experts with 2 tiles of routed pairs
+            each on average; early in training up to 162 of a layer's experts held fewer than tile / 2 pairs) the
+            loss after 200 iterations was 7.1 % above top-K's with SonicMoE's rule and 2.4 % with the guard.
         tile: the GEMM M tile the counts are rounded to (default 128, the Hopper kernels' M tile).
     """
 
@@ -85,7 +91,11 @@ def _targets(f_E: torch.Tensor, total_tokens: torch.Tensor, rounding: TokenRound
     if rounding.mode == "down":
         return lo
     up = torch.where(f_E % M == 0, f_E, lo + M)
-    t = up if rounding.mode == "up" else torch.round(f_E.double() / M).long() * M
+    if rounding.mode == "up":
+        t = up
+    else:  # nearest; an expert that top-K routed to keeps at least one tile (see TokenRounding)
+        t = torch.round(f_E.double() / M).long() * M
+        t = torch.where((f_E > 0) & (t == 0), M, t)
     return torch.where(t > total_tokens, lo, t)
 
 

@@ -135,10 +135,10 @@ def _select_kernel(
         target = lo
     elif MODE == 1:
         target = tl.where(f % TILE == 0, f, lo + TILE)
-    else:  # nearest multiple, half to even (as torch.round on f / TILE)
+    else:  # nearest multiple, half to even (as torch.round on f / TILE); a routed expert keeps one tile
         r = f - lo
         up = (2 * r > TILE) | ((2 * r == TILE) & ((lo // TILE) % 2 == 1))
-        target = tl.where(up, lo + TILE, lo)
+        target = tl.where(up | ((lo == 0) & (f > 0)), lo + TILE, lo)
     target = tl.where(target > T, lo, target)
     delta = target - f
     n = tl.abs(delta)

@@ -11,6 +11,7 @@ apart from the training loss of the rounded forward passes. Providers:
 
     sonic           --spec sonic_megatron.spec sonic_block_spec (SONIC_MEGATRON_TOKEN_ROUNDING=none)
     sonic-rounding  the same with SONIC_MEGATRON_TOKEN_ROUNDING=nearest
+    sonic-rounding-up, sonic-rounding-down  the same with the other rounding modes
     grouped         --spec sonic_megatron.baseline grouped_block_spec: Megatron's MoE layer and alltoall
                     dispatcher, experts on torch._grouped_mm (TEGroupedMLP with Transformer Engine): the baseline
     sequential      no --spec: Megatron's default local spec (SequentialMLP experts)
@@ -34,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..config import ROUNDING_MODES
 from . import e2e_profile
 from .e2e_log import (
     LOSS_KEY,
@@ -102,6 +104,13 @@ PROVIDERS = {
     "sonic-rounding": Provider(
         ("sonic_megatron.spec", "sonic_block_spec"), {"SONIC_MEGATRON_TOKEN_ROUNDING": "nearest"}
     ),
+    **{
+        f"sonic-rounding-{mode}": Provider(
+            ("sonic_megatron.spec", "sonic_block_spec"), {"SONIC_MEGATRON_TOKEN_ROUNDING": mode}
+        )
+        for mode in ROUNDING_MODES
+        if mode not in ("none", "nearest")
+    },
     "grouped": Provider(("sonic_megatron.baseline", "grouped_block_spec"), {}),
     "sequential": Provider(None, {}),
 }
