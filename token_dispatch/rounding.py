@@ -90,9 +90,8 @@ def _targets(f_E: torch.Tensor, total_tokens: torch.Tensor, rounding: TokenRound
     lo = torch.div(f_E, M, rounding_mode="floor") * M
     if rounding.mode == "down":
         return lo
-    up = torch.where(f_E % M == 0, f_E, lo + M)
     if rounding.mode == "up":
-        t = up
+        t = torch.where(f_E % M == 0, f_E, lo + M)
     else:  # nearest; an expert that top-K routed to keeps at least one tile (see TokenRounding)
         t = torch.round(f_E.double() / M).long() * M
         t = torch.where((f_E > 0) & (t == 0), M, t)

@@ -99,18 +99,15 @@ class Provider:
     env: dict[str, str]
 
 
+def _plugin(token_rounding: str) -> Provider:
+    """The plugin's spec with ``token_rounding`` (a ``SonicConfig`` mode) set through its environment override."""
+    return Provider(("sonic_megatron.spec", "sonic_block_spec"), {"SONIC_MEGATRON_TOKEN_ROUNDING": token_rounding})
+
+
 PROVIDERS = {
-    "sonic": Provider(("sonic_megatron.spec", "sonic_block_spec"), {"SONIC_MEGATRON_TOKEN_ROUNDING": "none"}),
-    "sonic-rounding": Provider(
-        ("sonic_megatron.spec", "sonic_block_spec"), {"SONIC_MEGATRON_TOKEN_ROUNDING": "nearest"}
-    ),
-    **{
-        f"sonic-rounding-{mode}": Provider(
-            ("sonic_megatron.spec", "sonic_block_spec"), {"SONIC_MEGATRON_TOKEN_ROUNDING": mode}
-        )
-        for mode in ROUNDING_MODES
-        if mode not in ("none", "nearest")
-    },
+    "sonic": _plugin("none"),
+    "sonic-rounding": _plugin("nearest"),
+    **{f"sonic-rounding-{mode}": _plugin(mode) for mode in ROUNDING_MODES if mode not in ("none", "nearest")},
     "grouped": Provider(("sonic_megatron.baseline", "grouped_block_spec"), {}),
     "sequential": Provider(None, {}),
 }
