@@ -532,18 +532,63 @@ def test_train_specs():
 
 def _trace(path, iterations_us):
     """A Chrome trace: QuACK and cuBLAS GEMMs, an optimizer kernel, a Triton kernel, a copy and a memset, with
-    gaps; ``iterations_us`` = the window covered."""
+    gaps; ``iterations_us`` = the window covered. The gaps end at the gather-sum (launched inside a host op nested
+    in another), at the copy (launched inside the outer op only) and at the optimizer kernel (launch not traced)."""
     ev = [
         {"ph": "X", "cat": "kernel", "name": "kernel_cutlass_kernel_quackgemm_default_epiGemm", "ts": 0, "dur": 300},
         {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_256x128", "ts": 250, "dur": 100},  # overlaps 50
-        {"ph": "X", "cat": "kernel", "name": "_gather_sum_kernel", "ts": 400, "dur": 100},
-        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 600, "dur": 200},
+        {"ph": "X", "cat": "kernel", "name": "_gather_sum_kernel", "ts": 400, "dur": 100, "args": {"correlation": 1}},
+        {
+            "ph": "X",
+            "cat": "gpu_memcpy",
+            "name": "Memcpy DtoD (Device -> Device)",
+            "ts": 600,
+            "dur": 200,
+            "args": {"correlation": 2},
+        },
         {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 800, "dur": 50},
-        {"ph": "X", "cat": "kernel", "name": "void at::native::multi_tensor_apply_kernel<...>", "ts": 900, "dur": 100},
-        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},  # host events are not GPU time
+        {
+            "ph": "X",
+            "cat": "kernel",
+            "name": "void at::native::multi_tensor_apply_kernel<...>",
+            "ts": 900,
+            "dur": 100,
+            "args": {"correlation": 3},
+        },
+        {
+            "ph": "X",
+            "cat": "cpu_op",
+            "name": "aten::mm",
+            "ts": 0,
+            "dur": 5000,
+            "tid": 1,
+        },  # host events are not GPU time
+        {"ph": "X", "cat": "cpu_op", "name": "aten::index", "ts": 390, "dur": 5, "tid": 1},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#5", "ts": 0, "dur": 5000, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "SonicFunction", "ts": 380, "dur": 100, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "other thread's op", "ts": 580, "dur": 20, "tid": 2},
+        {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cuLaunchKernel",
+            "ts": 392,
+            "dur": 1,
+            "tid": 1,
+            "args": {"correlation": 1},
+        },
+        {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaMemcpyAsync",
+            "ts": 590,
+            "dur": 1,
+            "tid": 1,
+            "args": {"correlation": 2},
+        },
         {"ph": "i", "cat": "kernel", "name": "instant", "ts": 10},
     ]
-    assert max(e["ts"] + e.get("dur", 0) for e in ev if e["cat"] != "cpu_op") == iterations_us
+    host = ("cpu_op", "cuda_runtime", "user_annotation")
+    assert max(e["ts"] + e.get("dur", 0) for e in ev if e["cat"] not in host) == iterations_us
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": ev}, f)
 
@@ -568,6 +613,13 @@ def test_profile_summary_per_iteration(tmp_path):
         "ms": pytest.approx(0.15),
         "calls": 0.5,
     }
+    # idle 350-400 before the gather-sum, 500-600 before the copy, 850-900 before the optimizer kernel
+    assert prof["idle_by_launcher"] == [
+        {"launcher": "aten::mm", "ms": pytest.approx(0.05), "gaps": 0.5},
+        {"launcher": "aten::index [SonicFunction]", "ms": pytest.approx(0.025), "gaps": 0.5},
+        {"launcher": e2e_profile.UNKNOWN_LAUNCH, "ms": pytest.approx(0.025), "gaps": 0.5},
+    ]
+    assert sum(g["ms"] for g in prof["idle_by_launcher"]) == pytest.approx(prof["idle_ms"])
     rows, columns = e2e_profile.table_rows([{"provider": "sonic", "profile": prof}, {"provider": "x", "profile": None}])
     assert [r["provider"] for r in rows] == ["sonic"] and columns[:3] == ["provider", "busy_ms", "idle_ms"]
     assert rows[0]["grouped_gemms_cutlass"] == 0.0

@@ -149,8 +149,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         metavar="N",
         help="profile each provider's last N iterations (Megatron's --profile --use-pytorch-profiler) and report "
-        "GPU busy / idle time and time per kernel family per iteration; those iterations, the profiler's "
-        "warm-up one and the last one are not timed (default 0: off)",
+        "GPU busy / idle time, time per kernel family and idle time per launching host op per iteration; those "
+        "iterations, the profiler's warm-up one and the last one are not timed (default 0: off)",
     )
     parser.add_argument("--dry-run", action="store_true", help="print each provider's command and stop")
     parser.add_argument(
@@ -552,6 +552,10 @@ def run(args: argparse.Namespace) -> int:
         prof_rows, prof_columns = e2e_profile.table_rows(rows)
         print(f"GPU ms per iteration over each provider's last {args.profile} iterations (torch profiler):")
         print_table(prof_rows, prof_columns)
+        for r in rows:
+            for gap in (r.get("profile") or {}).get("idle_by_launcher", [])[:8]:
+                where = f"in {gap['gaps']:.0f} gaps before {gap['launcher']}"
+                print(f"  {r['provider']}: idle {gap['ms']:.2f} ms/iter {where}")
     write_json(
         args.json,
         {

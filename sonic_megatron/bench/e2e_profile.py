@@ -3,13 +3,16 @@
 Megatron's own profiler (``--profile --use-pytorch-profiler``) records the last N iterations of the run and writes a
 Chrome trace; ``summarize_trace`` reads it back: per iteration, the GPU's busy time (the union of its kernels,
 copies and memsets) and idle time (the rest of the window from the first GPU event to the last), the time of each
-kernel family (``FAMILIES``), and the kernels that took the most. The profiled iterations, the profiler's warm-up
-iteration before them and the last iteration (the trace is written at its start) are left out of the run's timing
-statistics.
+kernel family (``FAMILIES``), the kernels that took the most, and where the GPU waited: each idle gap is charged
+to the host op that launched the GPU event ending it (the innermost ``cpu_op`` around its CUDA runtime call), which
+tells a gap behind a host sync or a host-bound stretch from one inside a layer. The profiled iterations, the
+profiler's warm-up iteration before them and the last iteration (the trace is written at its start) are left out of
+the run's timing statistics.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import gzip
 import json
@@ -30,6 +33,9 @@ FAMILIES: tuple[tuple[str, Callable[[str], bool]], ...] = (
 )
 COPIES, MEMSETS, OTHER = "copies", "memsets", "other"
 TOP_KERNELS = 15
+TOP_GAPS = 15  # idle charged per launching host op: the ops with the most idle time
+UNKNOWN_LAUNCH = "(launch not in trace)"
+_MAX_WALK = 5000
 
 
 def megatron_flags(iters: int, last: int, tensorboard_dir: str) -> list[str]:
@@ -62,6 +68,52 @@ def family(name: str, category: str) -> str:
     return next((fam for fam, test in FAMILIES if test(name)), OTHER)
 
 
+class _HostOps:
+    """The innermost host event around a time on a thread, among ``events`` (per thread, sorted by start)."""
+
+    def __init__(self, events: list[dict]):
+        by_tid: dict = collections.defaultdict(list)
+        for e in events:
+            by_tid[e.get("tid")].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+        self.ops = {tid: sorted(ops) for tid, ops in by_tid.items()}
+        self.starts = {tid: [o[0] for o in ops] for tid, ops in self.ops.items()}
+
+    def around(self, tid, ts: float) -> str | None:
+        ops = self.ops.get(tid, [])
+        i = bisect.bisect_right(self.starts.get(tid, []), ts)
+        # the latest-starting event that still contains ts is the innermost (nested events start after their
+        # parents); the walk back is bounded, as a launch sits within a few thousand host events of its op's start
+        for j in range(i - 1, max(i - _MAX_WALK, 0) - 1, -1):
+            if ops[j][1] >= ts:
+                return ops[j][2]
+        return None
+
+
+def _is_context(e: dict) -> bool:
+    """A host event that names where an op runs: a user annotation (the optimizer's step, Megatron's ranges) other
+    than the profiler's step, or a non-ATen op (an autograd node's backward, a custom autograd Function)."""
+    if e.get("cat") == "user_annotation":
+        return not e["name"].startswith("ProfilerStep")
+    return e.get("cat") == "cpu_op" and not e["name"].startswith("aten::")
+
+
+def _launchers(events: list[dict]) -> dict:
+    """correlation id -> "op [context]": the innermost host op around the CUDA runtime call that launched that GPU
+    event, and the innermost context (``_is_context``) around it."""
+    host = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
+    ops = _HostOps([e for e in host if e["cat"] == "cpu_op"])
+    contexts = _HostOps([e for e in host if _is_context(e)])
+    out = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            corr = (e.get("args") or {}).get("correlation")
+            if corr is not None:
+                op = ops.around(e.get("tid"), e["ts"]) or e["name"]
+                context = contexts.around(e.get("tid"), e["ts"])
+                out[corr] = f"{op} [{context}]" if context and context != op else op
+    return out
+
+
 def summarize_trace(path: str, iterations: int) -> dict:
     """GPU time per iteration of a Chrome trace covering ``iterations`` iterations (see the module docstring)."""
     opener = gzip.open if path.endswith(".gz") else open
@@ -73,12 +125,18 @@ def summarize_trace(path: str, iterations: int) -> dict:
     )
     if not gpu:
         raise ValueError(f"{path}: no GPU events (was the run on CUDA, and did the profiler window close?)")
+    launchers = _launchers(events)
     start, end = gpu[0]["ts"], max(e["ts"] + e["dur"] for e in gpu)
     busy, covered = 0.0, start
     families: dict[str, float] = collections.defaultdict(float)
     kernels: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    idle_by: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
     for e in gpu:
         s, f = e["ts"], e["ts"] + e["dur"]
+        if s > covered:  # an idle gap, ended by e: charge it to e's launcher
+            launcher = launchers.get((e.get("args") or {}).get("correlation"), UNKNOWN_LAUNCH)
+            idle_by[launcher][0] += s - covered
+            idle_by[launcher][1] += 1
         if f > covered:
             busy += f - max(s, covered)
             covered = f
@@ -87,6 +145,7 @@ def summarize_trace(path: str, iterations: int) -> dict:
         kernels[e["name"]][1] += 1
     per_iter_ms = 1e-3 / iterations  # trace times are in microseconds
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+    gaps = sorted(idle_by.items(), key=lambda kv: -kv[1][0])[:TOP_GAPS]
     return {
         "iterations": iterations,
         "trace": path,
@@ -94,6 +153,7 @@ def summarize_trace(path: str, iterations: int) -> dict:
         "idle_ms": (end - start - busy) * per_iter_ms,
         "families_ms": {k: v * per_iter_ms for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": n, "ms": t * per_iter_ms, "calls": c / iterations} for n, (t, c) in top],
+        "idle_by_launcher": [{"launcher": n, "ms": t * per_iter_ms, "gaps": c / iterations} for n, (t, c) in gaps],
     }
 
 
