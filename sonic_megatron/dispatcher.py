@@ -37,10 +37,10 @@ from .token_dispatch import EPOptions, TokenRounding, combine, dispatch, make_pl
 
 # Token rounding moves up to rounding_tile - 1 pairs of every expert, a large share of an expert's batch when it
 # holds few tiles. Measured with nearest rounding (Megatron-LM pretrain_gpt.py, 200 iterations on the markov corpus,
-# docs/PERF.md): with 2 tiles per expert on average (256 pairs, tile 128) the model ended 2.4 % above top-K's
-# training loss and 2.2 % above its validation loss; with 4 tiles from 1.6 % below (the sparse config) to 1.1 % above
-# (qwen3).
-FEW_TILES_PER_EXPERT = 4
+# docs/PERF.md): with 2 tiles per expert on average (256 pairs, tile 128) the model's training loss against top-K's
+# was -0.2 % on average over five seeds (-4.7 % to +2.4 % per seed), with 4 tiles -1.6 % and +1.1 % (two configs).
+# SonicMoE's paper finds rounding robust from 2 tiles per expert and degraded at 1; nothing here measured fewer.
+FEW_TILES_PER_EXPERT = 2
 _warned_few_tiles: set[tuple] = set()  # few_tiles_message's arguments already checked
 
 
@@ -54,9 +54,9 @@ def few_tiles_message(num_tokens: int, topk: int, ep_size: int, num_experts: int
         f"SonicConfig.token_rounding={mode!r}: {per_expert:.0f} routed pairs per expert per micro-batch on average "
         f"({num_tokens} tokens x top-{topk} x EP {ep_size} / {num_experts} experts) is fewer than "
         f"{FEW_TILES_PER_EXPERT} x rounding_tile ({tile}). Rounding moves up to {tile - 1} pairs of every expert; "
-        "measured (pretrain_gpt.py, 200 iterations), 2 tiles per expert ended with a 2.2-2.4 % higher loss than "
-        "top-K and 4 tiles from -1.6 % to +1.1 % (docs/PERF.md). Use more tokens per micro-batch, "
-        "token_rounding='up' (+1.1 % at 2 tiles; it fills partial tiles, saving no GEMM tile) or token_rounding='none'."
+        "measured (pretrain_gpt.py, 200 iterations), 2 tiles per expert ended -0.2 % against top-K's loss on average "
+        "over five seeds, and SonicMoE's paper reports a loss of quality at 1 tile (docs/PERF.md). Use more tokens "
+        "per micro-batch, token_rounding='up' (it fills partial tiles, saving no GEMM tile) or token_rounding='none'."
     )
 
 

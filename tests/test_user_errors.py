@@ -311,15 +311,15 @@ def test_make_setup_keeps_an_installed_torch(have_torch, tmp_path):
     assert lines[-1] == "-m pip install -q -e .[test]", lines
 
 
-def test_token_rounding_warns_below_four_tiles_per_expert():
+def test_token_rounding_warns_below_two_tiles_per_expert():
     """Rounding with few routed pairs per expert is named with the numbers and the measured loss cost."""
     from sonic_megatron.dispatcher import FEW_TILES_PER_EXPERT, few_tiles_message
 
-    # the sparse end-to-end config: 8192 tokens x top-8 / 256 experts = 256 pairs = 2 tiles of 128
-    msg = few_tiles_message(8192, 8, 1, 256, "nearest", 128)
-    assert msg is not None and "256 routed pairs per expert" in msg and "token_rounding='none'" in msg
-    # qwen3: 512 pairs per expert = 4 tiles; under EP the count is over the group (2 ranks x 4096 tokens)
-    assert few_tiles_message(8192, 8, 1, 128, "nearest", 128) is None
-    assert few_tiles_message(4096, 8, 2, 128, "nearest", 128) is None
-    assert few_tiles_message(4096, 8, 1, 128, "up", 128) is not None
-    assert FEW_TILES_PER_EXPERT * 128 == 512
+    # 4096 tokens x top-8 / 256 experts = 128 pairs = 1 tile of 128
+    msg = few_tiles_message(4096, 8, 1, 256, "nearest", 128)
+    assert msg is not None and "128 routed pairs per expert" in msg and "token_rounding='none'" in msg
+    # the sparse end-to-end config: 8192 x 8 / 256 = 256 pairs = 2 tiles; under EP the count is over the group
+    assert few_tiles_message(8192, 8, 1, 256, "nearest", 128) is None
+    assert few_tiles_message(4096, 8, 2, 256, "nearest", 128) is None
+    assert few_tiles_message(4095, 8, 2, 256, "up", 128) is not None
+    assert FEW_TILES_PER_EXPERT * 128 == 256
