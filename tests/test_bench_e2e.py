@@ -10,6 +10,7 @@ import gzip
 import inspect
 import json
 import os
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -196,14 +197,14 @@ def test_flags_per_config_and_provider():
 def test_markov_data_flags_and_dataset(tmp_path):
     shape = e2e.CONFIGS["small"]
     args = _args(config="small", data="markov", iters=20, seed=5)
-    path = e2e.markov_data_path(str(tmp_path), e2e.markov_data_sizes(shape, args))
+    path = e2e.markov_data_path(str(tmp_path), e2e.markov_data_sizes(shape, args, 5))
     assert path.startswith(str(tmp_path)) and "d1024x1025-seed5" in path
     flags = e2e.pretrain_flags(shape, iters=20, ep=1, seed=5, data_path=path)
     assert "--mock-data" not in flags and _flag(flags, "--data-path") == path and _flag(flags, "--split") == "100,0,0"
     assert _args().data == "mock" and "--mock-data" in e2e.pretrain_flags(shape, iters=20, ep=1, seed=5)
     assert _flag(flags, "--eval-iters") == "0"
     # --eval-iters: held-out documents after the training ones, the split in documents, validation after training.
-    eval_sizes = e2e.markov_data_sizes(shape, _args(config="small", data="markov", iters=20, seed=5, eval_iters=3))
+    eval_sizes = e2e.markov_data_sizes(shape, _args(config="small", data="markov", iters=20, seed=5, eval_iters=3), 5)
     assert (eval_sizes["docs"], eval_sizes["valid_docs"]) == (1024, 64) and e2e.markov_split(eval_sizes) == "1024,64,0"
     eval_path = e2e.markov_data_path(str(tmp_path), eval_sizes)
     assert "d1024x1025-valid64-seed5" in eval_path
@@ -249,6 +250,7 @@ def test_markov_data_flags_and_dataset(tmp_path):
         (dict(nproc=2, ep=3), "--ep: must divide --nproc (2)"),
         (dict(iters=5, warmup=5), "--warmup: must be in [0, --iters)"),
         (dict(timeout=0), "--timeout: must be > 0"),
+        (dict(seeds=0), "--seeds: must be >= 1 (the number of seeds from --seed on), got --seeds 0"),
         (dict(eval_iters=2), "--eval-iters: must be 0 (off) or N >= 1 with --data markov"),
         (dict(eval_iters=-1, data="markov"), "got --eval-iters -1 --data markov"),
         (dict(profile=-1), "--profile: must be 0 (off) or N >= 1"),
@@ -292,8 +294,10 @@ if spec and spec[0] == "sonic_megatron.baseline":
     sys.exit(3)
 rounding = os.environ.get("SONIC_MEGATRON_TOKEN_ROUNDING")
 base = {"none": 100.0, "nearest": 90.0}.get(rounding, 150.0)
+seed = int(args[args.index("--seed") + 1])
+shift = 0.1 * (seed % 2) if rounding == "nearest" else 0.0  # rounding's loss: higher at odd seeds
 for i in range(1, iters + 1):
-    print(LINE(i, iters, base + i % 2, 100.0, 10.0 - 0.1 * i), flush=True)
+    print(LINE(i, iters, base + i % 2, 100.0, 10.0 - 0.1 * i + shift), flush=True)
     if i in (1, 2, iters):
         print(MEM(i, 1000.0 if rounding else 2000.0), flush=True)
 if int(args[args.index("--eval-iters") + 1]):
@@ -371,6 +375,63 @@ def test_eval_loss_per_provider(tmp_path, capsys):
     cmd = rows["sonic"]["command"]
     assert _flag(cmd, "--split") == "1024,48,0" and _flag(cmd, "--eval-iters") == "2"
     assert os.path.isfile(_flag(cmd, "--data-path") + ".idx")
+
+
+def test_several_seeds_and_their_ratios(tmp_path, capsys):
+    """--seeds 2: every provider at each seed (its own markov chain, its own log), the baseline ratios within a
+    seed, and each provider's per-seed ratios to the first provider with their mean and spread."""
+    out = tmp_path / "e2e.json"
+    args = _args(
+        json=out,
+        megatron_lm=_fake_megatron_lm(tmp_path),
+        nproc=1,
+        config="small",
+        providers="sonic,sonic-rounding",
+        iters=4,
+        warmup=1,
+        data="markov",
+        eval_iters=2,
+        seed=1234,
+        seeds=2,
+        timeout=120,
+    )
+    assert e2e.run(args) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["seeds"] == [1234, 1235] and result["seed"] == 1234
+    assert [(r["provider"], r["seed"]) for r in result["rows"]] == [
+        ("sonic", 1234),
+        ("sonic-rounding", 1234),
+        ("sonic", 1235),
+        ("sonic-rounding", 1235),
+    ]
+    for r in result["rows"]:
+        assert r["status"] == "ok" and r["log"].endswith(f"e2e-small-{r['provider']}-seed{r['seed']}.log")
+        assert _flag(r["command"], "--seed") == str(r["seed"]) and f"-seed{r['seed']}" in _flag(
+            r["command"], "--data-path"
+        )
+    (ratio,) = result["seed_ratios"]
+    # the fake run: mean loss 9.75 at both seeds, +0.1 with rounding at the odd seed; 100 vs 90 ms; eval 2 vs 3
+    assert ratio["provider"] == "sonic-rounding" and ratio["vs"] == "sonic" and ratio["seeds"] == [1234, 1235]
+    assert ratio["loss_ratios"] == pytest.approx([1.0, 9.85 / 9.75])
+    assert ratio["loss_ratio_mean"] == pytest.approx((1.0 + 9.85 / 9.75) / 2)
+    assert ratio["loss_ratio_sd"] == pytest.approx(statistics.stdev([1.0, 9.85 / 9.75]))
+    assert ratio["eval_ratio_mean"] == pytest.approx(1.5) and ratio["eval_ratio_sd"] == pytest.approx(0.0)
+    assert ratio["speed_mean"] == pytest.approx(100 / 90) and ratio["speed_min"] == pytest.approx(100 / 90)
+    assert "per-seed ratios to sonic over 2 seeds" in printed
+
+
+def test_seed_ratios_skip_seeds_that_failed():
+    def row(provider, seed, status="ok", loss=2.0, ms=100.0):
+        return dict(
+            provider=provider, seed=seed, status=status, final_loss_mean10=loss, ms_per_iter_median=ms, eval_loss=None
+        )
+
+    rows = [row("a", 1), row("b", 1, loss=2.2, ms=50.0), row("a", 2, status="failed"), row("b", 2)]
+    (r,) = e2e.seed_ratios(rows, "a")
+    assert r["seeds"] == [1] and r["loss_ratios"] == pytest.approx([1.1]) and r["loss_ratio_sd"] is None
+    assert r["speed_ratios"] == [2.0] and r["eval_ratios"] == [] and r["eval_ratio_mean"] is None
+    assert e2e.seed_ratios([row("a", 1)], "a") == []
 
 
 def test_ratios_to_grouped():

@@ -29,6 +29,7 @@ import dataclasses
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -124,6 +125,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=30, help="training iterations per provider")
     parser.add_argument("--warmup", type=int, default=5, help="first iterations left out of the statistics")
     parser.add_argument("--seed", type=int, default=1234, help="Megatron's --seed (the same for every provider)")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run every provider at the seeds --seed .. --seed + N - 1 (each seed its own initialisation and, with "
+        "--data markov, its own chain; a seed's providers run back to back) and report each provider's per-seed "
+        "ratios to the first provider: training and validation loss (mean, standard deviation) and speed "
+        "(mean, min-max). One 200-iteration run does not resolve a 1 %% loss difference (default 1)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per provider run")
     parser.add_argument("--log-dir", default=None, help="per-provider logs (default: next to --json, else out/)")
     parser.add_argument(
@@ -207,6 +218,8 @@ def validate(args: argparse.Namespace, *, gpu_count: int) -> tuple[Shape, list[s
         )
     if args.timeout <= 0:
         raise ValueError(f"--timeout: must be > 0 seconds, got {args.timeout}")
+    if args.seeds < 1:
+        raise ValueError(f"--seeds: must be >= 1 (the number of seeds from --seed on), got --seeds {args.seeds}")
     if args.profile < 0 or (args.profile and e2e_profile.last_timed_iteration(args.iters, args.profile) <= args.warmup):
         raise ValueError(
             f"--profile: must be 0 (off) or N >= 1 with --iters > --warmup + N + 2 (the N profiled iterations, the "
@@ -254,8 +267,8 @@ def pretrain_flags(
     ]
 
 
-def markov_data_sizes(shape: Shape, args: argparse.Namespace) -> dict:
-    """The markov dataset for a run: one document per sample, enough for every iteration once (no epoch
+def markov_data_sizes(shape: Shape, args: argparse.Namespace, seed: int) -> dict:
+    """The markov dataset for a run at ``seed``: one document per sample, enough for every iteration once (no epoch
     repeats), at least 1024 documents; and as many held-out documents as ``--eval-iters`` batches take."""
     docs = max(1024, shape.global_batch * args.iters + shape.global_batch)
     valid_docs = shape.global_batch * (args.eval_iters + 1) if args.eval_iters else 0
@@ -264,7 +277,7 @@ def markov_data_sizes(shape: Shape, args: argparse.Namespace) -> dict:
         successors=MARKOV_SUCCESSORS,
         docs=docs,
         doc_len=shape.seq + 1,
-        seed=args.seed,
+        seed=seed,
         valid_docs=valid_docs,
     )
 
@@ -451,13 +464,57 @@ def run_provider(name: str, index: int, count: int, cmd: list[str], env: dict, l
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """speedup_vs_grouped (grouped's median ms / this one's) and memory_vs_grouped, when both ran."""
-    base = next((r for r in rows if r["provider"] == BASELINE and r["status"] == "ok"), None)
+    """speedup_vs_grouped (grouped's median ms / this one's) and memory_vs_grouped, when both ran at the row's seed."""
+    bases = {r.get("seed"): r for r in rows if r["provider"] == BASELINE and r["status"] == "ok"}
     for r in rows:
+        base = bases.get(r.get("seed"))
         ok = base is not None and r["status"] == "ok"
         r["speedup_vs_grouped"] = base["ms_per_iter_median"] / r["ms_per_iter_median"] if ok else None
         both_mem = ok and base["peak_allocated_mib"] and r["peak_allocated_mib"]
         r["memory_vs_grouped"] = r["peak_allocated_mib"] / base["peak_allocated_mib"] if both_mem else None
+
+
+def _mean_sd(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def seed_ratios(rows: list[dict], reference: str) -> list[dict]:
+    """Each other provider against ``reference`` over the seeds at which both finished: per seed the ratio of the
+    training loss (mean of the last 10 iterations), of the validation loss (when evaluated) and the speed
+    (``reference``'s median ms / the provider's); over the seeds the mean and standard deviation of the loss
+    ratios and the mean, min and max of the speed."""
+    done = [r for r in rows if r["status"] == "ok"]
+    refs = {r["seed"]: r for r in done if r["provider"] == reference}
+    out = []
+    for name in dict.fromkeys(r["provider"] for r in done if r["provider"] != reference):
+        pairs = [(refs[r["seed"]], r) for r in done if r["provider"] == name and r["seed"] in refs]
+        if not pairs:
+            continue
+        loss = [r["final_loss_mean10"] / b["final_loss_mean10"] for b, r in pairs if b["final_loss_mean10"]]
+        evals = [r["eval_loss"] / b["eval_loss"] for b, r in pairs if b.get("eval_loss") and r.get("eval_loss")]
+        speed = [b["ms_per_iter_median"] / r["ms_per_iter_median"] for b, r in pairs]
+        (loss_mean, loss_sd), (eval_mean, eval_sd) = _mean_sd(loss), _mean_sd(evals)
+        out.append(
+            {
+                "provider": name,
+                "vs": reference,
+                "seeds": [r["seed"] for _, r in pairs],
+                "loss_ratios": loss,
+                "eval_ratios": evals,
+                "speed_ratios": speed,
+                "n_seeds": len(pairs),
+                "loss_ratio_mean": loss_mean,
+                "loss_ratio_sd": loss_sd,
+                "eval_ratio_mean": eval_mean,
+                "eval_ratio_sd": eval_sd,
+                "speed_mean": statistics.mean(speed),
+                "speed_min": min(speed),
+                "speed_max": max(speed),
+            }
+        )
+    return out
 
 
 def _gpu_count() -> int:
@@ -485,13 +542,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     args.nproc_resolved = nproc
     log_dir = args.log_dir or (os.path.dirname(os.path.abspath(args.json)) if args.json else "out")
-    markov_sizes = markov_data_sizes(shape, args) if args.data == "markov" else None
-    data_path = markov_data_path(log_dir, markov_sizes) if markov_sizes else None
-    data = {"data_path": data_path, "split": markov_split(markov_sizes)} if markov_sizes else {}  # else mock data
-    flags = pretrain_flags(shape, iters=args.iters, ep=args.ep, seed=args.seed, eval_iters=args.eval_iters, **data)
-    flags += shlex.split(args.pretrain_args)
+    seeds = list(range(args.seed, args.seed + args.seeds))
+
+    def seed_flags(seed: int) -> tuple[list[str], dict | None]:
+        """pretrain_gpt.py's shared flags at ``seed`` and the markov dataset they read (None: mock data)."""
+        sizes = markov_data_sizes(shape, args, seed) if args.data == "markov" else None
+        data = {"data_path": markov_data_path(log_dir, sizes), "split": markov_split(sizes)} if sizes else {}
+        flags = pretrain_flags(shape, iters=args.iters, ep=args.ep, seed=seed, eval_iters=args.eval_iters, **data)
+        return flags + shlex.split(args.pretrain_args), sizes
+
     if args.print_flags:
-        print("\n".join(flags))
+        print("\n".join(seed_flags(seeds[0])[0]))
         return 0
     pretrain_gpt = os.path.abspath(os.path.join(args.megatron_lm, "pretrain_gpt.py"))
     if not os.path.isfile(pretrain_gpt):
@@ -503,11 +564,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     os.makedirs(log_dir, exist_ok=True)
     if not args.dry_run:
-        if data_path is not None:
-            from .markov_data import write_dataset
-
-            print(f"writing the markov dataset {data_path} ...", flush=True)
-            write_dataset(data_path, **markov_sizes)
         try:
             for path in install_dataset_sources(args.megatron_lm):
                 print(f"installed {path} (pretrain_gpt.py compiles megatron-core's dataset helpers with it)")
@@ -515,24 +571,38 @@ def run(args: argparse.Namespace) -> int:
             print(f"warning: could not install the dataset helper sources: {exc}", file=sys.stderr)
     print(
         f"bench e2e: config {args.config} {dataclasses.asdict(shape)}, {nproc} GPU(s), EP {args.ep}, "
-        f"{args.iters} iterations ({args.warmup} warm-up), providers {', '.join(providers)}",
+        f"{args.iters} iterations ({args.warmup} warm-up), providers {', '.join(providers)}"
+        + (f", seeds {seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else ""),
         flush=True,
     )
-    rows = []
-    for i, name in enumerate(providers, start=1):
-        log_path = os.path.join(log_dir, f"e2e-{args.config}-{name}.log")
-        extra = e2e_profile.megatron_flags(args.iters, args.profile, profile_dir(log_path)) if args.profile else []
-        cmd = torchrun_command(pretrain_gpt, nproc, flags + provider_flags(name) + extra)
-        env = provider_env(name, args.megatron_lm, dict(os.environ))
-        if args.dry_run:
-            print(f"[{i}/{len(providers)}] {name}: {shell_line(cmd, env)}")
-            continue
-        rows.append(run_provider(name, i, len(providers), cmd, env, log_path, args))
+    rows, count = [], len(providers) * len(seeds)
+    for s_index, seed in enumerate(seeds):
+        flags, sizes = seed_flags(seed)
+        if len(seeds) > 1:
+            print(f"seed {seed} ({s_index + 1} of {len(seeds)}):", flush=True)
+        if sizes is not None and not args.dry_run:
+            from .markov_data import write_dataset
+
+            path = markov_data_path(log_dir, sizes)
+            print(f"writing the markov dataset {path} ...", flush=True)
+            write_dataset(path, **sizes)
+        for p_index, name in enumerate(providers):
+            i = s_index * len(providers) + p_index + 1
+            suffix = f"-seed{seed}" if len(seeds) > 1 else ""
+            log_path = os.path.join(log_dir, f"e2e-{args.config}-{name}{suffix}.log")
+            extra = e2e_profile.megatron_flags(args.iters, args.profile, profile_dir(log_path)) if args.profile else []
+            cmd = torchrun_command(pretrain_gpt, nproc, flags + provider_flags(name) + extra)
+            env = provider_env(name, args.megatron_lm, dict(os.environ))
+            if args.dry_run:
+                print(f"[{i}/{count}] {name}: {shell_line(cmd, env)}")
+                continue
+            rows.append({**run_provider(name, i, count, cmd, env, log_path, args), "seed": seed})
     if args.dry_run:
         return 0
     add_ratios(rows)
     columns = [
         "provider",
+        *(["seed"] if len(seeds) > 1 else []),
         "status",
         "ms_per_iter_median",
         "ms_per_iter_min",
@@ -548,6 +618,26 @@ def run(args: argparse.Namespace) -> int:
         "elapsed_s",
     ]
     print_table(rows, columns)
+    ratios = seed_ratios(rows, providers[0]) if len(seeds) > 1 else None
+    if ratios:
+        print(
+            f"per-seed ratios to {providers[0]} over {len(seeds)} seeds (loss: this / {providers[0]}; speed: "
+            f"{providers[0]}'s ms / this):"
+        )
+        print_table(
+            ratios,
+            [
+                "provider",
+                "n_seeds",
+                "loss_ratio_mean",
+                "loss_ratio_sd",
+                "eval_ratio_mean",
+                "eval_ratio_sd",
+                "speed_mean",
+                "speed_min",
+                "speed_max",
+            ],
+        )
     if args.profile:
         prof_rows, prof_columns = e2e_profile.table_rows(rows)
         print(f"GPU ms per iteration over each provider's last {args.profile} iterations (torch profiler):")
@@ -567,6 +657,7 @@ def run(args: argparse.Namespace) -> int:
             "iters": args.iters,
             "warmup": args.warmup,
             "seed": args.seed,
+            "seeds": seeds,
             "data": args.data,
             "eval_iters": args.eval_iters,
             "markov_entropy_nats": entropy_rate(MARKOV_SUCCESSORS) if args.data == "markov" else None,
@@ -574,6 +665,7 @@ def run(args: argparse.Namespace) -> int:
             "megatron_core": _megatron_core_version(),
             "baseline": BASELINE,
             "rows": rows,
+            "seed_ratios": ratios,
         },
     )
     return 0 if all(r["status"] == "ok" for r in rows) else 1
