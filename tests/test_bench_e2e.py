@@ -18,7 +18,7 @@ import textwrap
 import pytest
 import torch
 
-from sonic_megatron.bench import e2e, megatron_lm
+from sonic_megatron.bench import e2e, e2e_compare, e2e_launch, megatron_lm
 from sonic_megatron.bench.e2e_log import (
     failure_excerpt,
     parse_iteration,
@@ -175,7 +175,7 @@ def test_flags_per_config_and_provider():
     assert e2e.provider_flags("sonic-rounding") == e2e.provider_flags("sonic")
     assert e2e.provider_flags("grouped") == ["--spec", "sonic_megatron.baseline", "grouped_block_spec"]
     assert e2e.provider_flags("sequential") == []
-    cmd = e2e.torchrun_command("/m/pretrain_gpt.py", 4, ["--bf16"], python="py")
+    cmd = e2e_launch.torchrun_command("/m/pretrain_gpt.py", 4, ["--bf16"], python="py")
     assert cmd == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"] + [
         "/m/pretrain_gpt.py",
         "--bf16",
@@ -184,7 +184,7 @@ def test_flags_per_config_and_provider():
     assert env["SONIC_MEGATRON_TOKEN_ROUNDING"] == "nearest" and env["HOME"] == "/h"
     assert env["PYTHONPATH"].split(os.pathsep)[0] == os.path.abspath("/m")
     assert env["PYTHONPATH"].split(os.pathsep)[-1] == "/x" and env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
-    assert e2e.shell_line(["py", "a b"], env, base={"PYTHONPATH": "/x", "HOME": "/h"}) == (
+    assert e2e_launch.shell_line(["py", "a b"], env, base={"PYTHONPATH": "/x", "HOME": "/h"}) == (
         f"PYTHONPATH={env['PYTHONPATH']} CUDA_DEVICE_MAX_CONNECTIONS=1 SONIC_MEGATRON_TOKEN_ROUNDING=nearest py 'a b'"
     )
     assert e2e.provider_env("sonic", "/m", {})["SONIC_MEGATRON_TOKEN_ROUNDING"] == "none"
@@ -428,10 +428,10 @@ def test_seed_ratios_skip_seeds_that_failed():
         )
 
     rows = [row("a", 1), row("b", 1, loss=2.2, ms=50.0), row("a", 2, status="failed"), row("b", 2)]
-    (r,) = e2e.seed_ratios(rows, "a")
+    (r,) = e2e_compare.seed_ratios(rows, "a")
     assert r["seeds"] == [1] and r["loss_ratios"] == pytest.approx([1.1]) and r["loss_ratio_sd"] is None
     assert r["speed_ratios"] == [2.0] and r["eval_ratios"] == [] and r["eval_ratio_mean"] is None
-    assert e2e.seed_ratios([row("a", 1)], "a") == []
+    assert e2e_compare.seed_ratios([row("a", 1)], "a") == []
 
 
 def test_ratios_to_grouped():
@@ -440,7 +440,7 @@ def test_ratios_to_grouped():
         {"provider": "grouped", "status": "ok", "ms_per_iter_median": 100.0, "peak_allocated_mib": 1000.0},
         {"provider": "sequential", "status": "timeout", "ms_per_iter_median": None, "peak_allocated_mib": None},
     ]
-    e2e.add_ratios(rows)
+    e2e_compare.add_ratios(rows, e2e.BASELINE)
     assert [r["speedup_vs_grouped"] for r in rows] == [2.0, 1.0, None]
     assert [r["memory_vs_grouped"] for r in rows] == [0.5, 1.0, None]
 
@@ -449,7 +449,7 @@ def test_timeout_stops_the_run(tmp_path):
     log = tmp_path / "run.log"
     lines = []
     script = "import time; print('started', flush=True); time.sleep(60)"
-    rc, timed_out = e2e.run_logged([sys.executable, "-c", script], dict(os.environ), str(log), 2.0, lines.append)
+    rc, timed_out = e2e_launch.run_logged([sys.executable, "-c", script], dict(os.environ), str(log), 2.0, lines.append)
     assert timed_out and rc != 0 and lines == ["started\n"] and log.read_text() == "started\n"
 
 

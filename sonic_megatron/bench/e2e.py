@@ -19,7 +19,11 @@ apart from the training loss of the rounded forward passes. Providers:
 Needs megatron-core >= 0.19 (``megatron.training`` in its wheel), CUDA, and the Megatron-LM files of
 ``python -m sonic_megatron.bench.megatron_lm`` in ``--megatron-lm`` (default ``.mlm``). Every provider's exact
 command is printed before it starts and its whole output goes to a log file next to ``--json``; a provider
-that fails or passes ``--timeout`` is reported with the tail of its log and the others still run.
+that fails or passes ``--timeout`` is reported with the tail of its log and the others still run. With
+``--seeds N`` every provider runs at N seeds and each provider's per-seed ratios to the first one are summarised.
+
+This file holds the configs, providers, arguments and flags and runs them; ``e2e_launch.py`` runs one launcher,
+``e2e_log.py`` reads its log, ``e2e_compare.py`` compares the rows and ``e2e_profile.py`` reads a profile.
 """
 
 from __future__ import annotations
@@ -28,33 +32,19 @@ import argparse
 import dataclasses
 import os
 import shlex
-import signal
-import statistics
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
 
 from ..config import ROUNDING_MODES
 from . import e2e_profile
-from .e2e_log import (
-    LOSS_KEY,
-    MS_KEY,
-    TFLOPS_KEY,
-    VALID_LOSS_KEY,
-    failure_excerpt,
-    parse_iteration,
-    parse_log,
-    parse_validation,
-    summarize,
-)
+from .e2e_compare import add_ratios, seed_ratios
+from .e2e_launch import log_excerpt, progress_printer, run_logged, shell_line, torchrun_command
+from .e2e_log import parse_log, summarize
 from .markov_data import entropy_rate
 from .megatron_lm import install_dataset_sources
 
 BASELINE = "grouped"
 DEFAULT_PROVIDERS = "sonic,sonic-rounding,grouped"
-LOG_TAIL_LINES = 20
 DATA_CHOICES = ("mock", "markov")
 VOCAB = 32000
 MARKOV_SUCCESSORS = 4
@@ -301,18 +291,6 @@ def provider_flags(name: str) -> list[str]:
     return ["--spec", *spec] if spec else []
 
 
-def torchrun_command(pretrain_gpt: str, nproc: int, flags: list[str], python: str = sys.executable) -> list[str]:
-    # --standalone: a fresh rendezvous on a free local port per run, so that back-to-back runs never collide.
-    return [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), pretrain_gpt, *flags]
-
-
-def shell_line(cmd: list[str], env: dict[str, str], base: dict[str, str] | None = None) -> str:
-    """The command as one shell line, prefixed by the variables it sets beyond ``base`` (default: ours)."""
-    base = os.environ if base is None else base
-    assignments = [f"{k}={shlex.quote(v)}" for k, v in env.items() if base.get(k) != v]
-    return " ".join([*assignments, shlex.join(cmd)])
-
-
 def provider_env(name: str, mlm_dir: str, base: dict[str, str]) -> dict[str, str]:
     """``base`` with Megatron-LM's files and this checkout first on PYTHONPATH (pretrain_gpt.py imports
     gpt_builders/model_provider as top-level modules; --spec imports sonic_megatron), one NCCL connection
@@ -320,84 +298,6 @@ def provider_env(name: str, mlm_dir: str, base: dict[str, str]) -> dict[str, str
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     paths = [os.path.abspath(mlm_dir), repo] + ([base["PYTHONPATH"]] if base.get("PYTHONPATH") else [])
     return {**base, "PYTHONPATH": os.pathsep.join(paths), "CUDA_DEVICE_MAX_CONNECTIONS": "1", **PROVIDERS[name].env}
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Running
-# ----------------------------------------------------------------------------------------------------------
-
-
-def run_logged(
-    cmd: list[str], env: dict[str, str], log_path: str, timeout: float, on_line: Callable[[str], None]
-) -> tuple[int | None, bool]:
-    """Run ``cmd`` in its own process group, its output (stdout + stderr) to ``log_path`` and, line by line,
-    to ``on_line``; after ``timeout`` seconds the group gets SIGTERM, then SIGKILL. Returns (exit code,
-    timed out)."""
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
-
-        def pump():
-            for line in proc.stdout:
-                log.write(line)
-                on_line(line)
-            log.flush()
-
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        timed_out = False
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _stop_group(proc)
-        reader.join(timeout=30)
-    return proc.returncode, timed_out
-
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to the run's process group (torchrun passes it to its workers), SIGKILL after 20 s."""
-    for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _progress_printer(name: str, iters: int) -> Callable[[str], None]:
-    """Prints iteration 1, every 10th and the last one of a run, and its validation loss, as they come."""
-
-    def on_line(line: str) -> None:
-        val = parse_validation(line)
-        if val is not None and VALID_LOSS_KEY in val:
-            print(
-                f"  [{name}] validation loss after iteration {val['iteration']}: {val[VALID_LOSS_KEY]:.4f}", flush=True
-            )
-            return
-        it = parse_iteration(line)
-        if it is None or not (it["iteration"] in (1, iters) or it["iteration"] % 10 == 0):
-            return
-        parts = [f"  [{name}] iteration {it['iteration']}/{it['train_iters']}"]
-        if MS_KEY in it:
-            parts.append(f"{it[MS_KEY]:.1f} ms")
-        if TFLOPS_KEY in it:
-            parts.append(f"{it[TFLOPS_KEY]:.1f} TFLOP/s/GPU")
-        if LOSS_KEY in it:
-            parts.append(f"lm loss {it[LOSS_KEY]:.4f}")
-        print(", ".join(parts), flush=True)
-
-    return on_line
-
-
-def _log_excerpt(log_path: str) -> list[str]:
-    with open(log_path, errors="replace") as f:
-        return failure_excerpt([line.rstrip("\n") for line in f], tail=LOG_TAIL_LINES)
 
 
 def profile_dir(log_path: str) -> str:
@@ -411,7 +311,7 @@ def run_provider(name: str, index: int, count: int, cmd: list[str], env: dict, l
     print(f"{tag}: starting, log {log_path}", flush=True)
     print(f"  {shell_line(cmd, env)}", flush=True)
     t0 = time.perf_counter()
-    rc, timed_out = run_logged(cmd, env, log_path, args.timeout, _progress_printer(name, args.iters))
+    rc, timed_out = run_logged(cmd, env, log_path, args.timeout, progress_printer(name, args.iters))
     elapsed = time.perf_counter() - t0
     with open(log_path, errors="replace") as f:
         parsed = parse_log(f)
@@ -456,65 +356,11 @@ def run_provider(name: str, index: int, count: int, cmd: list[str], env: dict, l
             row["profile"] = None
             print(f"  warning: no profile summary from {trace}: {exc}", flush=True)
     if status != "ok":
-        row["log_tail"] = _log_excerpt(log_path)
+        row["log_tail"] = log_excerpt(log_path)
         print(f"  first error and last lines of {log_path}:", flush=True)
         for line in row["log_tail"]:
             print(f"  | {line}", flush=True)
     return row
-
-
-def add_ratios(rows: list[dict]) -> None:
-    """speedup_vs_grouped (grouped's median ms / this one's) and memory_vs_grouped, when both ran at the row's seed."""
-    bases = {r.get("seed"): r for r in rows if r["provider"] == BASELINE and r["status"] == "ok"}
-    for r in rows:
-        base = bases.get(r.get("seed"))
-        ok = base is not None and r["status"] == "ok"
-        r["speedup_vs_grouped"] = base["ms_per_iter_median"] / r["ms_per_iter_median"] if ok else None
-        both_mem = ok and base["peak_allocated_mib"] and r["peak_allocated_mib"]
-        r["memory_vs_grouped"] = r["peak_allocated_mib"] / base["peak_allocated_mib"] if both_mem else None
-
-
-def _mean_sd(values: list[float]) -> tuple[float | None, float | None]:
-    if not values:
-        return None, None
-    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else None
-
-
-def seed_ratios(rows: list[dict], reference: str) -> list[dict]:
-    """Each other provider against ``reference`` over the seeds at which both finished: per seed the ratio of the
-    training loss (mean of the last 10 iterations), of the validation loss (when evaluated) and the speed
-    (``reference``'s median ms / the provider's); over the seeds the mean and standard deviation of the loss
-    ratios and the mean, min and max of the speed."""
-    done = [r for r in rows if r["status"] == "ok"]
-    refs = {r["seed"]: r for r in done if r["provider"] == reference}
-    out = []
-    for name in dict.fromkeys(r["provider"] for r in done if r["provider"] != reference):
-        pairs = [(refs[r["seed"]], r) for r in done if r["provider"] == name and r["seed"] in refs]
-        if not pairs:
-            continue
-        loss = [r["final_loss_mean10"] / b["final_loss_mean10"] for b, r in pairs if b["final_loss_mean10"]]
-        evals = [r["eval_loss"] / b["eval_loss"] for b, r in pairs if b.get("eval_loss") and r.get("eval_loss")]
-        speed = [b["ms_per_iter_median"] / r["ms_per_iter_median"] for b, r in pairs]
-        (loss_mean, loss_sd), (eval_mean, eval_sd) = _mean_sd(loss), _mean_sd(evals)
-        out.append(
-            {
-                "provider": name,
-                "vs": reference,
-                "seeds": [r["seed"] for _, r in pairs],
-                "loss_ratios": loss,
-                "eval_ratios": evals,
-                "speed_ratios": speed,
-                "n_seeds": len(pairs),
-                "loss_ratio_mean": loss_mean,
-                "loss_ratio_sd": loss_sd,
-                "eval_ratio_mean": eval_mean,
-                "eval_ratio_sd": eval_sd,
-                "speed_mean": statistics.mean(speed),
-                "speed_min": min(speed),
-                "speed_max": max(speed),
-            }
-        )
-    return out
 
 
 def _gpu_count() -> int:
@@ -599,7 +445,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append({**run_provider(name, i, count, cmd, env, log_path, args), "seed": seed})
     if args.dry_run:
         return 0
-    add_ratios(rows)
+    add_ratios(rows, BASELINE)
     columns = [
         "provider",
         *(["seed"] if len(seeds) > 1 else []),
