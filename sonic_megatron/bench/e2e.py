@@ -484,6 +484,7 @@ def run(args: argparse.Namespace) -> int:
                 "speed_max",
             ],
         )
+    kernel_diff = e2e_profile.kernel_diff(rows, providers[0]) if args.profile else None
     if args.profile:
         prof_rows, prof_columns = e2e_profile.table_rows(rows)
         print(f"GPU ms per iteration over each provider's last {args.profile} iterations (torch profiler):")
@@ -492,6 +493,9 @@ def run(args: argparse.Namespace) -> int:
             for gap in (r.get("profile") or {}).get("idle_by_launcher", [])[:8]:
                 where = f"in {gap['gaps']:.0f} gaps before {gap['launcher']}"
                 print(f"  {r['provider']}: idle {gap['ms']:.2f} ms/iter {where}")
+        if kernel_diff:
+            print(f"kernels whose GPU ms per iteration differ most from {providers[0]}'s:")
+            print_table(kernel_diff, ["provider", "ms_delta", "ms", "ms_vs", "calls", "calls_vs", "kernel"])
     write_json(
         args.json,
         {
@@ -512,6 +516,7 @@ def run(args: argparse.Namespace) -> int:
             "baseline": BASELINE,
             "rows": rows,
             "seed_ratios": ratios,
+            "kernel_diff": kernel_diff,
         },
     )
     return 0 if all(r["status"] == "ok" for r in rows) else 1
