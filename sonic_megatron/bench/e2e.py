@@ -150,8 +150,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         metavar="N",
         help="profile each provider's last N iterations (Megatron's --profile --use-pytorch-profiler) and report "
-        "GPU busy / idle time, time per kernel family and idle time per launching host op per iteration; those "
-        "iterations, the profiler's warm-up one and the last one are not timed (default 0: off)",
+        "GPU busy / idle time, time per kernel family, idle time per launching host op and the kernels whose time "
+        "differs most from the first provider's, per iteration; those iterations, the profiler's warm-up one and "
+        "the last one are not timed (default 0: off)",
     )
     parser.add_argument("--dry-run", action="store_true", help="print each provider's command and stop")
     parser.add_argument(

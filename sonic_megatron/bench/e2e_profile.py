@@ -168,7 +168,8 @@ def summarize_trace(path: str, iterations: int) -> dict:
 def kernel_diff(rows: list[dict], reference: str, top: int = TOP_DIFF) -> list[dict]:
     """Per profiled provider other than ``reference``: the ``top`` kernels (names cut to ``KERNEL_NAME_CHARS``)
     whose GPU time per iteration differs most from ``reference``'s, with both times and call counts: what a
-    feature (token rounding, say) adds and removes inside the same training iteration."""
+    feature (token rounding, say) adds and removes inside the same training iteration. With several seeds the
+    providers' last runs (the same seed) are compared."""
     profiles = {r["provider"]: r["profile"] for r in rows if r.get("profile")}
     if reference not in profiles:
         return []
