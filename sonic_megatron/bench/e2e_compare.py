@@ -36,7 +36,11 @@ def seed_ratios(rows: list[dict], reference: str) -> list[dict]:
         pairs = [(refs[r["seed"]], r) for r in done if r["provider"] == name and r["seed"] in refs]
         if not pairs:
             continue
-        loss = [r["final_loss_mean10"] / b["final_loss_mean10"] for b, r in pairs if b["final_loss_mean10"]]
+        loss = [
+            r["final_loss_mean10"] / b["final_loss_mean10"]
+            for b, r in pairs
+            if b.get("final_loss_mean10") and r.get("final_loss_mean10") is not None
+        ]
         evals = [r["eval_loss"] / b["eval_loss"] for b, r in pairs if b.get("eval_loss") and r.get("eval_loss")]
         speed = [b["ms_per_iter_median"] / r["ms_per_iter_median"] for b, r in pairs]
         (loss_mean, loss_sd), (eval_mean, eval_sd) = _mean_sd(loss), _mean_sd(evals)
