@@ -349,11 +349,10 @@ def test_failing_provider_does_not_stop_the_others(tmp_path, capsys):
     assert result["config"] == "small" and result["nproc"] == 1
 
 
-def test_eval_loss_per_provider(tmp_path, capsys):
-    """--data markov --eval-iters: the dataset with held-out walks, its split and the validation flags in every
-    provider's command, each provider's validation loss in its row and the table."""
-    out = tmp_path / "e2e.json"
-    args = _args(
+def _fake_markov_run(tmp_path, out, **extra) -> argparse.Namespace:
+    """Arguments of a fake run of sonic and sonic-rounding on the markov data, 4 iterations and 2 evaluation
+    batches, writing ``out``."""
+    return _args(
         json=out,
         megatron_lm=_fake_megatron_lm(tmp_path),
         nproc=1,
@@ -364,8 +363,15 @@ def test_eval_loss_per_provider(tmp_path, capsys):
         data="markov",
         eval_iters=2,
         timeout=120,
+        **extra,
     )
-    assert e2e.run(args) == 0
+
+
+def test_eval_loss_per_provider(tmp_path, capsys):
+    """--data markov --eval-iters: the dataset with held-out walks, its split and the validation flags in every
+    provider's command, each provider's validation loss in its row and the table."""
+    out = tmp_path / "e2e.json"
+    assert e2e.run(_fake_markov_run(tmp_path, out)) == 0
     printed = capsys.readouterr().out
     assert "eval_loss" in printed and "[sonic-rounding] validation loss after iteration 4: 3.0000" in printed
     result = json.loads(out.read_text())
@@ -378,24 +384,10 @@ def test_eval_loss_per_provider(tmp_path, capsys):
 
 
 def test_several_seeds_and_their_ratios(tmp_path, capsys):
-    """--seeds 2: every provider at each seed (its own markov chain, its own log), the baseline ratios within a
-    seed, and each provider's per-seed ratios to the first provider with their mean and spread."""
+    """--seeds 2: every provider at each seed (its own markov chain, its own log) and each provider's per-seed
+    ratios to the first provider with their mean and spread."""
     out = tmp_path / "e2e.json"
-    args = _args(
-        json=out,
-        megatron_lm=_fake_megatron_lm(tmp_path),
-        nproc=1,
-        config="small",
-        providers="sonic,sonic-rounding",
-        iters=4,
-        warmup=1,
-        data="markov",
-        eval_iters=2,
-        seed=1234,
-        seeds=2,
-        timeout=120,
-    )
-    assert e2e.run(args) == 0
+    assert e2e.run(_fake_markov_run(tmp_path, out, seed=1234, seeds=2)) == 0
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["seeds"] == [1234, 1235] and result["seed"] == 1234
