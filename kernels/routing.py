@@ -52,6 +52,9 @@ class FlatRouting:
     # backend skips. A routing decided on the device (token rounding) then has a host-known size, an upper
     # bound, instead of a host sync to read its real pair count.
     padded: bool = False
+    # [T+1] int32 CSR offsets of each token's pairs when the producer has them (token rounding's scan); None:
+    # found from token_idx_R (a binary search per token).
+    token_offsets: torch.Tensor | None = None
 
 
 Routing = TopKRouting | FlatRouting
@@ -97,9 +100,11 @@ def flatten_routing(routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch
         token_offsets = torch.arange(0, T * K + 1, K, device=device, dtype=torch.int32)
         return token_idx_R, routing.indices_TK.reshape(-1), routing.scores_TK.reshape(-1), token_offsets
     token_idx_R = routing.token_idx_R
-    bounds = torch.arange(routing.num_tokens + 1, device=token_idx_R.device, dtype=token_idx_R.dtype)
-    token_offsets = torch.searchsorted(token_idx_R, bounds).to(torch.int32)
-    return token_idx_R, routing.expert_idx_R, routing.scores_R, token_offsets
+    token_offsets = routing.token_offsets
+    if token_offsets is None:
+        bounds = torch.arange(routing.num_tokens + 1, device=token_idx_R.device, dtype=token_idx_R.dtype)
+        token_offsets = torch.searchsorted(token_idx_R, bounds)
+    return token_idx_R, routing.expert_idx_R, routing.scores_R, token_offsets.to(torch.int32)
 
 
 def compute_metadata_torch(

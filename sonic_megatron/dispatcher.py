@@ -90,7 +90,12 @@ class LocalPlan:
         r = self.routing
         if isinstance(r, TopKRouting):
             return LocalPlan(TopKRouting(r.scores_TK, r.indices_TK.clone()))
-        return LocalPlan(dataclasses.replace(r, token_idx_R=r.token_idx_R.clone(), expert_idx_R=r.expert_idx_R.clone()))
+        offsets = None if r.token_offsets is None else r.token_offsets.clone()
+        return LocalPlan(
+            dataclasses.replace(
+                r, token_idx_R=r.token_idx_R.clone(), expert_idx_R=r.expert_idx_R.clone(), token_offsets=offsets
+            )
+        )
 
 
 class SonicTokenDispatcher(MoETokenDispatcher):

@@ -46,6 +46,7 @@ CASES = [
     (200, 16, 4, 32, 1, True),
     (7, 3, 2, 4, 3, False),
     (70, 40, 3, 16, 2, True),
+    (40, 140, 3, 16, 4, True),  # more experts than one placing step holds (128): the positions carry over
 ]
 
 
@@ -59,6 +60,9 @@ def test_round_local_kernels_equal_the_reference(mode, T, E, K, M, seed, ties):
     s_r, d_r = scores.clone().requires_grad_(), dense.clone().requires_grad_()
     ref = round_local_torch(TopKRouting(s_r, idx), d_r, num_experts=E, rounding=rnd)
     assert got.padded and got.token_idx_R.numel() == rounded_pairs_bound(T * K, T, E, M)
+    # the scan's token offsets: each token's pair range, as a binary search over the sorted tokens finds it
+    bounds = torch.arange(T + 1, dtype=ref.token_idx_R.dtype)
+    assert torch.equal(got.token_offsets.cpu().long(), torch.searchsorted(ref.token_idx_R, bounds))
     for a, b in (
         (got.token_idx_R, ref.token_idx_R),
         (got.expert_idx_R, ref.expert_idx_R),
