@@ -1,4 +1,4 @@
-"""Token rounding without expert parallelism in four Triton launches and a scan, no sort (``rounding.round_local``
+"""Token rounding without expert parallelism in three Triton launches and a scan, no sort (``rounding.round_local``
 on CUDA; ``rounding.round_local_torch`` is the reference and the CPU path, with the same pairs, order and scores).
 
 Shape legend: T tokens, K experts per token, E experts, W = min(tile - 1, T) the most pairs an expert adds,
@@ -7,15 +7,15 @@ P = T*K + E*W the padded pair count (``rounded_pairs_bound``).
 1. ``_keys_kernel`` (grid: token blocks x expert blocks): one int32 key per (expert, token), [E, T]: a routed
    pair's key orders like the reverse of its routing score (the weakest pair is the largest key), a non-routed
    one's like its dense router probability; an int8 flag per (expert, token), [E, T]: 1 + the pair's top-K slot,
-   0 where the token did not route to the expert; the routed count f_E (integer atomics: exact).
-2. ``_select_kernel`` (grid: experts): the expert's target t_e from f_e (``TokenRounding``), n = |t_e - f_e| and
-   the n largest keys among its routed tokens (drop, t_e < f_e) or its non-routed ones (add), ties to the lower
-   token: the cut is (thr, cut) = key and token of the n-th, found bit by bit in registers over the keys as
-   uint32 (a row of at most ``_MAX_BLOCK`` tokens is loaded once; longer rows are re-read per pass). The cut
-   pairs' flags change: 0 for a dropped pair, -1 for an added one. An expert with nothing to cut does not read its row.
-3. ``_count_kernel`` (grid: token blocks): each token's pairs after rounding (its non-zero flags); their inclusive
-   scan (an in-place ``cumsum``) gives every token's offset, which the rounded ``FlatRouting`` carries (the
-   experts need no search for them).
+   0 where the token did not route to the expert; each token's pair count, K, into the offsets [T + 1].
+2. ``_select_kernel`` (grid: experts): the expert's routed count f_e (its row of flags), its target t_e
+   (``TokenRounding``), n = |t_e - f_e| and the n largest keys among its routed tokens (drop, t_e < f_e) or its
+   non-routed ones (add), ties to the lower token: the cut is (thr, cut) = key and token of the n-th, found bit by
+   bit in registers over the keys as uint32 (a row of at most ``_MAX_BLOCK`` tokens is loaded once; longer rows
+   are re-read per pass). The cut pairs' flags change (0 for a dropped pair, -1 for an added one) and so do their
+   tokens' pair counts (integer atomics). An expert with nothing to cut does not read its keys.
+3. An in-place scan of the counts (``cumsum_``) gives every token's offset, which the rounded ``FlatRouting``
+   carries (the experts need no search for them).
 4. ``_place_kernel`` (grid: token blocks): each token's pairs at its offset in ascending expert order, the order
    of the reference's (token, expert) sort: token, expert, score (a kept pair's routing score, read through the
    slot in its flag; an added pair's dense probability) and where the score came from; its programs then fill the
@@ -41,8 +41,8 @@ _MAX_BLOCK = 16384
 # took 0.054 / 0.026 ms; 16 x 256 tiles 0.029 / 0.015, 64 x 64 0.052 / 0.027, 32 x 128 on 8 warps 0.110 / 0.055.
 _KEYS_TOKENS, _KEYS_EXPERTS = 128, 32
 _MODES = {"nearest": 0, "up": 1, "down": 2}
-# _count_kernel / _place_kernel's program: 16 tokens x 128 experts per step. H100 at (T, E) = (16384, 256), the
-# two kernels: 0.039 ms; 32 x 64: 0.046, 8 x 256: 0.042, 16 x 64: 0.044, 32 x 32: 0.049, 64 x 16: 0.057.
+# _place_kernel's program: 16 tokens x 128 experts per step. H100 at (T, E) = (16384, 256), with a counting kernel
+# of the same tiles: 0.039 ms; 32 x 64: 0.046, 8 x 256: 0.042, 16 x 64: 0.044, 32 x 32: 0.049, 64 x 16: 0.057.
 _PLACE_TOKENS, _PLACE_EXPERTS = 16, 128
 
 
@@ -60,7 +60,7 @@ def _keys_kernel(
     dense_ptr,
     key_ptr,
     routed_ptr,
-    counts_ptr,
+    offsets_ptr,
     T,
     E,
     K: tl.constexpr,
@@ -68,7 +68,8 @@ def _keys_kernel(
     BE: tl.constexpr,
 ):
     # Tiles are [experts, tokens], tokens fastest: the order of the [E, T] stores (the dense load is the
-    # transposed read).
+    # transposed read). The first expert block also starts the token offsets: 0, then K pairs per token (the cut
+    # adds or takes one per pair it changes).
     t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     e = tl.program_id(1) * BE + tl.arange(0, BE)
     t_ok = t < T
@@ -83,7 +84,10 @@ def _keys_kernel(
         key = tl.where(hit, ~sk[None, :], key)
     tl.store(key_ptr + e[:, None].to(tl.int64) * T + t[None, :], key, mask=ok)
     tl.store(routed_ptr + e[:, None].to(tl.int64) * T + t[None, :], slot.to(tl.int8), mask=ok)
-    tl.atomic_add(counts_ptr + e, tl.sum(((slot > 0) & ok).to(tl.int32), axis=1), mask=e < E)
+    if tl.program_id(1) == 0:
+        tl.store(offsets_ptr + 1 + t, tl.zeros([BT], dtype=tl.int32) + K, mask=t_ok)
+        if tl.program_id(0) == 0:
+            tl.store(offsets_ptr, 0)
 
 
 @triton.jit
@@ -126,7 +130,7 @@ def _count(
 def _select_kernel(
     key_ptr,
     routed_ptr,
-    counts_ptr,
+    offsets_ptr,
     T,
     MODE: tl.constexpr,
     TILE: tl.constexpr,
@@ -135,7 +139,13 @@ def _select_kernel(
     NUM_CHUNKS: tl.constexpr,
 ):
     e = tl.program_id(0)
-    f = tl.load(counts_ptr + e)
+    row_key = key_ptr + e.to(tl.int64) * T
+    row_routed = routed_ptr + e.to(tl.int64) * T
+    offs = tl.arange(0, BT)
+    f = tl.zeros([], dtype=tl.int32)  # the expert's routed count
+    for c in range(NUM_CHUNKS):
+        t = c * BT + offs
+        f += tl.sum((tl.load(row_routed + t, mask=t < T, other=0) > 0).to(tl.int32), axis=0)
     lo = (f // TILE) * TILE
     if MODE == 2:
         target = lo
@@ -149,10 +159,7 @@ def _select_kernel(
     delta = target - f
     n = tl.abs(delta)
     want = delta < 0  # drop: among the routed tokens; add: among the others
-    row_key = key_ptr + e.to(tl.int64) * T
-    row_routed = routed_ptr + e.to(tl.int64) * T
-    offs = tl.arange(0, BT)
-    if n > 0:  # else nothing to cut: the row is not even read
+    if n > 0:  # else nothing to cut: the keys are not even read
         keys = _row(row_key, row_routed, want, offs, T)
         cut = tl.zeros([], dtype=tl.int32) - 1
         thr = tl.zeros([], dtype=tl.uint32)
@@ -175,28 +182,16 @@ def _select_kernel(
                 if _count(keys, row_key, row_routed, want, T, thr, 2, cand_t, BT, NUM_CHUNKS) < need:
                     p = cand_t
             cut = p
-        # the cut pairs' new status in the routed flags: 0 for a dropped pair, -1 for an added one
+        # the cut pairs' new status in the routed flags (0 for a dropped pair, -1 for an added one) and their
+        # tokens' pair counts (integer atomics: exact in any order)
         status = tl.where(delta > 0, -1, 0).to(tl.int8)
+        step = tl.where(delta > 0, 1, -1)
         for c in range(NUM_CHUNKS):
             t = c * BT + offs
             k = _chunk(keys, row_key, row_routed, want, t, T, NUM_CHUNKS)
             sel = ((k > thr) | ((k == thr) & (t <= cut))) & (t < T)
             tl.store(row_routed + t, status + tl.zeros([BT], dtype=tl.int8), mask=sel)
-
-
-@triton.jit
-def _count_kernel(routed_ptr, offsets_ptr, T, E, BT: tl.constexpr, BE: tl.constexpr):
-    """Pairs per token after rounding (the non-zero routed flags of its column) at offsets[1:], and offsets[0] = 0:
-    an in-place scan of offsets[1:] then gives every token's offset."""
-    if tl.program_id(0) == 0:
-        tl.store(offsets_ptr, 0)
-    t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
-    total = tl.zeros([BT], dtype=tl.int32)
-    for e0 in range(0, E, BE):
-        e = e0 + tl.arange(0, BE)
-        r = tl.load(routed_ptr + e[:, None].to(tl.int64) * T + t[None, :], mask=(e < E)[:, None] & (t < T)[None, :])
-        total += tl.sum((r != 0).to(tl.int32), axis=0)
-    tl.store(offsets_ptr + 1 + t, total, mask=t < T)
+            tl.atomic_add(offsets_ptr + 1 + t, step + tl.zeros([BT], dtype=tl.int32), mask=sel, sem="relaxed")
 
 
 @triton.jit
@@ -328,11 +323,11 @@ def round_local_triton(routing: TopKRouting, dense_TE: torch.Tensor, num_experts
     W = min(tile - 1, T)
     key_ET = torch.empty(E, T, dtype=torch.int32, device=device)
     routed_ET = torch.empty(E, T, dtype=torch.int8, device=device)
-    counts_E = torch.zeros(E, dtype=torch.int32, device=device)
+    offsets_T1 = torch.empty(T + 1, dtype=torch.int32, device=device)
     BE = min(triton.next_power_of_2(E), _KEYS_EXPERTS)
     BT = _KEYS_TOKENS * _KEYS_EXPERTS // BE
     _keys_kernel[(triton.cdiv(T, BT), triton.cdiv(E, BE))](
-        idx_TK, scores_TK, dense_TE, key_ET, routed_ET, counts_E, T, E, K=K, BT=BT, BE=BE
+        idx_TK, scores_TK, dense_TE, key_ET, routed_ET, offsets_T1, T, E, K=K, BT=BT, BE=BE
     )
     block = min(triton.next_power_of_2(T), _MAX_BLOCK)
     # Warps per expert: H100, _select_kernel alone at (T, E) = (8192, 256) / (16384, 256) / (16384, 128): 4 warps
@@ -341,7 +336,7 @@ def round_local_triton(routing: TopKRouting, dense_TE: torch.Tensor, num_experts
     _select_kernel[(E,)](
         key_ET,
         routed_ET,
-        counts_E,
+        offsets_T1,
         T,
         MODE=_MODES[mode],
         TILE=tile,
@@ -349,10 +344,6 @@ def round_local_triton(routing: TopKRouting, dense_TE: torch.Tensor, num_experts
         BT=block,
         NUM_CHUNKS=triton.cdiv(T, block),
         num_warps=8 if block > 8192 else 4,
-    )
-    offsets_T1 = torch.empty(T + 1, dtype=torch.int32, device=device)
-    _count_kernel[(triton.cdiv(T, _PLACE_TOKENS),)](
-        routed_ET, offsets_T1, T, E, BT=_PLACE_TOKENS, BE=min(triton.next_power_of_2(E), _PLACE_EXPERTS)
     )
     offsets_T1[1:].cumsum_(0)
     P = T * K + E * W
