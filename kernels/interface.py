@@ -172,6 +172,11 @@ def validate_inputs(
                 _fail(name, f"1-D of length {R} (as token_idx_R)", tuple(t.shape))
         if routing.num_tokens != T:
             _fail("routing.num_tokens", f"x.shape[0] = {T}", routing.num_tokens)
+        offsets = routing.token_offsets
+        if offsets is not None:
+            _check_index_tensor("routing.token_offsets", offsets, 1)
+            if offsets.numel() != T + 1:
+                _fail("routing.token_offsets", f"1-D of length T + 1 = {T + 1}", tuple(offsets.shape))
         expert_idx, token_idx = routing.expert_idx_R, routing.token_idx_R
     else:
         raise TypeError(f"moe_experts: routing must be TopKRouting or FlatRouting, got {type(routing).__name__}")
@@ -198,6 +203,11 @@ def validate_inputs(
                 )
             if bool((token_idx[1:] < token_idx[:-1]).any()):
                 _fail("routing.token_idx_R", "sorted ascending", "an unsorted tensor")
+            offsets = routing.token_offsets if isinstance(routing, FlatRouting) else None
+            if offsets is not None:
+                bounds = torch.arange(T + 1, device=token_idx.device, dtype=token_idx.dtype)
+                if not torch.equal(offsets.long(), torch.searchsorted(token_idx, bounds).long()):
+                    _fail("routing.token_offsets", "each token's first pair in token_idx_R (CSR offsets)", "others")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ and the actual value (kernels/interface.py::validate_inputs and resolve_backend)
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -168,6 +169,21 @@ BAD = [
         ["routing.token_idx_R", "sorted ascending", "unsorted"],
     ),
     (
+        "flat_offsets_length",
+        _with_flat(token_offsets=torch.tensor([0, 2, 2, 3, 4, 5])),
+        ["routing.token_offsets", r"length T \+ 1 = 7", r"\(6,\)"],
+    ),
+    (
+        "flat_offsets_dtype",
+        _with_flat(token_offsets=torch.tensor([0.0, 2, 2, 3, 4, 4, 5])),
+        ["routing.token_offsets.dtype", "int32 or int64", "float32"],
+    ),
+    (
+        "flat_offsets_values",
+        _with_flat(token_offsets=torch.tensor([0, 2, 2, 3, 4, 4, 4])),
+        ["routing.token_offsets", "CSR offsets"],
+    ),
+    (
         "flat_expert_too_big",
         _with_flat(expert_idx_R=torch.tensor([1, 3, 0, 2, 7])),
         ["routing expert indices", r"\[0, E = 4\)", r"\[0, 7\]"],
@@ -234,3 +250,11 @@ def test_auto_backend_on_cpu_uses_torch(monkeypatch):
     a = _good()
     a["backend"] = "auto"
     assert torch.equal(_call(a), _call(_good()))
+
+
+def test_flat_routing_with_its_offsets_gives_the_same_output():
+    """A FlatRouting that carries its CSR offsets (token rounding's) computes what the same routing without them
+    does (the offsets found by a binary search)."""
+    a, flat = _good(), _flat()
+    offsets = torch.tensor([0, 2, 2, 3, 4, 4, 5], dtype=torch.int32)
+    assert torch.equal(_call(a, flat), _call(a, dataclasses.replace(flat, token_offsets=offsets)))

@@ -330,9 +330,10 @@ def round_local_triton(routing: TopKRouting, dense_TE: torch.Tensor, num_experts
         idx_TK, scores_TK, dense_TE, key_ET, routed_ET, offsets_T1, T, E, K=K, BT=BT, BE=BE
     )
     block = min(triton.next_power_of_2(T), _MAX_BLOCK)
-    # Warps per expert: H100, _select_kernel alone at (T, E) = (8192, 256) / (16384, 256) / (16384, 128): 4 warps
-    # 0.021 / 0.043 / 0.026 ms, 8 warps 0.027 / 0.045 / 0.023, 16 warps 0.029 / 0.045 / 0.023 (int64 keys took
-    # 0.027-0.036 / 0.057-0.065 / 0.029-0.036).
+    # Warps per expert: H100, _select_kernel alone at (T, E) = (8192, 256) / (16384, 256) / (16384, 128), before it
+    # counted its row and the tokens' pairs: 4 warps 0.021 / 0.043 / 0.026 ms, 8 warps 0.027 / 0.045 / 0.023, 16
+    # warps 0.029 / 0.045 / 0.023 (int64 keys took 0.027-0.036 / 0.057-0.065 / 0.029-0.036). With the counting, on
+    # the warps chosen here: 0.024 / 0.050 / 0.025.
     _select_kernel[(E,)](
         key_ET,
         routed_ET,
