@@ -28,6 +28,7 @@ from .routing import (
     TopKRouting,
     compute_metadata_torch,
     flatten_routing,
+    run_offsets,
 )
 
 BACKENDS = ("auto", "torch", "cute")
@@ -203,11 +204,9 @@ def validate_inputs(
                 )
             if bool((token_idx[1:] < token_idx[:-1]).any()):
                 _fail("routing.token_idx_R", "sorted ascending", "an unsorted tensor")
-            offsets = routing.token_offsets if isinstance(routing, FlatRouting) else None
-            if offsets is not None:
-                bounds = torch.arange(T + 1, device=token_idx.device, dtype=token_idx.dtype)
-                if not torch.equal(offsets.long(), torch.searchsorted(token_idx, bounds).long()):
-                    _fail("routing.token_offsets", "each token's first pair in token_idx_R (CSR offsets)", "others")
+            offsets = routing.token_offsets  # token_idx is a FlatRouting's
+            if offsets is not None and not torch.equal(offsets.long(), run_offsets(token_idx, T)):
+                _fail("routing.token_offsets", "each token's first pair in token_idx_R (CSR offsets)", "others")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -91,6 +91,13 @@ class RoutingMetadata:
         )
 
 
+def run_offsets(sorted_R: torch.Tensor, n: int) -> torch.Tensor:
+    """[n + 1] int64 offsets of the runs of the values 0..n-1 in the ascending ``sorted_R`` (CSR): value v's
+    entries are ``sorted_R[off[v] : off[v + 1]]``, entries >= n lie past ``off[n]``. A binary search per value,
+    no host sync."""
+    return torch.searchsorted(sorted_R, torch.arange(n + 1, device=sorted_R.device, dtype=sorted_R.dtype))
+
+
 def flatten_routing(routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token_idx_R, expert_idx_R, scores_R, token_offsets) of a routing; scores keep autograd."""
     if isinstance(routing, TopKRouting):
@@ -102,8 +109,7 @@ def flatten_routing(routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch
     token_idx_R = routing.token_idx_R
     token_offsets = routing.token_offsets
     if token_offsets is None:
-        bounds = torch.arange(routing.num_tokens + 1, device=token_idx_R.device, dtype=token_idx_R.dtype)
-        token_offsets = torch.searchsorted(token_idx_R, bounds)
+        token_offsets = run_offsets(token_idx_R, routing.num_tokens)
     return token_idx_R, routing.expert_idx_R, routing.scores_R, token_offsets.to(torch.int32)
 
 

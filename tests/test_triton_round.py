@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from sonic_megatron.kernels import TopKRouting  # noqa: E402
+from sonic_megatron.kernels.routing import run_offsets  # noqa: E402
 from sonic_megatron.token_dispatch import TokenRounding, round_routing  # noqa: E402
 from sonic_megatron.token_dispatch.rounding import round_local_torch, rounded_pairs_bound, top_n_rows_torch  # noqa: E402
 
@@ -61,8 +62,7 @@ def test_round_local_kernels_equal_the_reference(mode, T, E, K, M, seed, ties):
     ref = round_local_torch(TopKRouting(s_r, idx), d_r, num_experts=E, rounding=rnd)
     assert got.padded and got.token_idx_R.numel() == rounded_pairs_bound(T * K, T, E, M)
     # the scan's token offsets: each token's pair range, as a binary search over the sorted tokens finds it
-    bounds = torch.arange(T + 1, dtype=ref.token_idx_R.dtype)
-    assert torch.equal(got.token_offsets.cpu().long(), torch.searchsorted(ref.token_idx_R, bounds))
+    assert torch.equal(got.token_offsets.cpu().long(), run_offsets(ref.token_idx_R, T))
     for a, b in (
         (got.token_idx_R, ref.token_idx_R),
         (got.expert_idx_R, ref.expert_idx_R),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.routing import RoutingMetadata, compute_metadata_torch
+from ..kernels.routing import RoutingMetadata, compute_metadata_torch, run_offsets
 from .comm import Pending, all_to_all
 
 
@@ -85,7 +85,7 @@ def recv_rows_keys_torch(
     row_Q = meta_QC[:, 0].long() + seg_row0[seg_Q]  # row in the whole receive buffer (non-decreasing)
     group_Q = seg_Q if by_source else torch.div(seg_Q, P, rounding_mode="floor")  # (chunk, source) or chunk
     key_Q = group_Q * L + meta_QC[:, 1].long()
-    token_offsets = torch.searchsorted(row_Q, torch.arange(U + 1, device=device, dtype=torch.int64))
+    token_offsets = run_offsets(row_Q, U)
     return row_Q.int(), key_Q.int(), token_offsets.int()
 
 

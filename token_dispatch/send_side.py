@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.routing import TopKRouting, flatten_routing
+from ..kernels.routing import TopKRouting, flatten_routing, run_offsets
 
 
 def flat_routing(routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -85,7 +85,7 @@ def _send_layout(tok_R, exp_R, T, L, P, N, padded=False):
     torch.cumsum(is_new, 0, dtype=torch.int64, out=new_before[1:])
     row_of_pair = new_before[1:] - 1
     # Per-segment counts from the segment boundaries of the sorted pairs (no atomics, unlike index_add_).
-    bounds = torch.searchsorted(seg_s, torch.arange(N * P + 1, dtype=seg_s.dtype, device=device))
+    bounds = run_offsets(seg_s, N * P)
     rows_before = new_before[bounds]  # [N*P + 1] send rows before each segment (and the padding's segment)
     return order, seg_s, tok_s, row_of_pair, rows_before.diff(), bounds.diff(), rows_before
 
@@ -107,7 +107,7 @@ def send_side_torch(tok_R, exp_R, scores_R, T, L, P, N, padded=False) -> SendSid
     # int32 keys: half the radix passes of int64 (tokens < 2^31).
     keys_R = send_token_idx_R.to(torch.int32) if T < 2**31 else send_token_idx_R
     sorted_keys, combine_order_R = torch.sort(keys_R, stable=True)
-    combine_offsets = torch.searchsorted(sorted_keys, torch.arange(T + 1, device=device, dtype=keys_R.dtype))
+    combine_offsets = run_offsets(sorted_keys, T)
     return SendSide(order, send_token_idx_R, combine_order_R, combine_offsets, pair_meta_RC, rows_NP, pairs_NP)
 
 

@@ -270,8 +270,8 @@ class _RoundedScores(torch.autograd.Function):
     routing scores / dense probs."""
 
     @staticmethod
-    def forward(ctx, scores_TK, dense_TE, idx_TK, routed_ET, offsets_T1, P):
-        (T, K), E = idx_TK.shape, routed_ET.shape[0]
+    def forward(ctx, scores_TK, dense_TE, routed_ET, offsets_T1, P):
+        (T, K), E = scores_TK.shape, routed_ET.shape[0]
         device = scores_TK.device
         tok = torch.empty(P, dtype=torch.int64, device=device)
         exp = torch.empty_like(tok)
@@ -310,7 +310,7 @@ class _RoundedScores(torch.autograd.Function):
         _decode_backward_kernel[(triton.cdiv(P, 1024),)](
             grad_P.contiguous(), tok, exp, order_P, d_scores, d_dense, P, T * K, T, E, BLOCK=1024
         )
-        return d_scores, d_dense, None, None, None, None
+        return d_scores, d_dense, None, None, None
 
 
 def round_local_triton(routing: TopKRouting, dense_TE: torch.Tensor, num_experts: int, mode: str, tile: int):
@@ -348,5 +348,5 @@ def round_local_triton(routing: TopKRouting, dense_TE: torch.Tensor, num_experts
     )
     offsets_T1[1:].cumsum_(0)
     P = T * K + E * W
-    tok_P, exp_P, score_P = _RoundedScores.apply(scores_TK, dense_TE, idx_TK, routed_ET, offsets_T1, P)
+    tok_P, exp_P, score_P = _RoundedScores.apply(scores_TK, dense_TE, routed_ET, offsets_T1, P)
     return FlatRouting(tok_P, exp_P, score_P.to(scores_TK.dtype), T, padded=True, token_offsets=offsets_T1)
