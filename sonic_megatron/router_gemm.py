@@ -24,7 +24,12 @@ three run on the bf16 tensor cores, with two measures that keep every result wit
     dX     = dL W       returned in bf16: dL and W in 2 parts, the terms (1,1), (1,2), (2,1) as one GEMM over a
                         K = 3E concatenation with a bf16 output (the terms left out are ~2^-16 relative, below
                         bf16's 2^-8; the result is rounded once, as Megatron rounds its fp32 dX to bf16)
-    dW     = dL^T x     dL in 3 parts stacked along M, chunks of ``wgrad_chunk(T)``, returned in W's dtype
+    dW     = dL^T x     dL in 3 parts stacked along M, chunks of ``wgrad_chunk(T)`` (the chunks' and the parts'
+                        partial results summed in one reduction), returned in W's dtype
+
+Host time counts here (the layer's host time paces training at 8192 tokens per micro-batch, docs/PERF.md): the
+GEMMs read the operands in place through strided views (the bf16 weight, dL's parts), and one Triton launch
+writes dL's three parts side by side (``kernels/triton/bf16_split.py``), where PyTorch needs eight launches.
 
 ``tests/test_router_gemm.py`` checks all of them against float64 and against the fp32 GEMMs' error.
 """
@@ -70,18 +75,33 @@ def _mm_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float() @ b.float()).to(torch.bfloat16)
 
 
-def chunked_mm_fp32(a_MK: torch.Tensor, b_KN: torch.Tensor, chunk: int) -> torch.Tensor:
-    """fp32 a @ b for bf16 a [M, K] (unit stride along K) and b [K, N] (contiguous): the products of each K
-    chunk accumulated on the tensor cores, the chunks' fp32 partial results summed with round-to-nearest."""
+def split3_side_by_side(v_TE: torch.Tensor) -> torch.Tensor:
+    """[T, 3E] bf16: the 3-part split of the fp32 ``v_TE`` with the parts side by side (one Triton launch on CUDA,
+    ``kernels/triton/bf16_split.py``; PyTorch ops elsewhere, the same values)."""
+    if v_TE.is_cuda:
+        from .kernels.triton.bf16_split import split3_bf16
+
+        return split3_bf16(v_TE)
+    return torch.cat(split_bf16(v_TE, 3), dim=1)
+
+
+def chunked_mm_fp32(a_MK: torch.Tensor, b_KN: torch.Tensor, chunk: int, row_parts: int = 1) -> torch.Tensor:
+    """fp32 a @ b for bf16 a [M, K] and b [K, N] (each a strided view a GEMM reads: unit stride along one of its
+    dimensions): the products of each K chunk accumulated on the tensor cores, the chunks' fp32 partial results
+    summed with round-to-nearest. With ``row_parts`` > 1 a's rows are that many equal blocks (the parts of a split
+    operand) whose products are summed in the same reduction: the result is [M / row_parts, N]."""
     M, K = a_MK.shape
     C, rest = divmod(K, chunk)
-    parts = []
+    out = None
     if C:
         a_CMk = a_MK[:, : C * chunk].view(M, C, chunk).transpose(0, 1)
-        parts.append(_bmm_fp32(a_CMk, b_KN[: C * chunk].view(C, chunk, -1)).sum(0))
+        prod_CMN = _bmm_fp32(a_CMk, b_KN[: C * chunk].view(C, chunk, -1))
+        out = prod_CMN.view(C * row_parts, M // row_parts, -1).sum(0)
     if rest or not C:
-        parts.append(_bmm_fp32(a_MK[:, C * chunk :].unsqueeze(0), b_KN[C * chunk :].unsqueeze(0))[0])
-    return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+        last_MN = _bmm_fp32(a_MK[:, C * chunk :].unsqueeze(0), b_KN[C * chunk :].unsqueeze(0))[0]
+        last = last_MN.view(row_parts, M // row_parts, -1).sum(0) if row_parts > 1 else last_MN
+        out = last if out is None else out + last
+    return out
 
 
 def _sum_parts(stacked: torch.Tensor, parts: int, dim: int) -> torch.Tensor:
@@ -100,9 +120,11 @@ class RouterLogits(torch.autograd.Function):
     def forward(ctx, x_TD: torch.Tensor, w_ED: torch.Tensor, bias_E: torch.Tensor | None) -> torch.Tensor:
         lead, D = x_TD.shape[:-1], x_TD.shape[-1]
         x2_TD = x_TD.reshape(-1, D)
-        w_parts = [w_ED] if w_ED.dtype == torch.bfloat16 else split_bf16(w_ED, 3)
-        w_DP = torch.cat(w_parts, dim=0).t().contiguous()  # [D, p * E]
-        logits_TE = _sum_parts(chunked_mm_fp32(x2_TD, w_DP, LOGITS_CHUNK), len(w_parts), dim=1)
+        if w_ED.dtype == torch.bfloat16:  # read in place: the GEMM takes the transposed view
+            logits_TE = chunked_mm_fp32(x2_TD, w_ED.t(), LOGITS_CHUNK)
+        else:
+            w_DP = torch.cat(split_bf16(w_ED, 3), dim=0).t()  # [D, 3E]
+            logits_TE = _sum_parts(chunked_mm_fp32(x2_TD, w_DP, LOGITS_CHUNK), 3, dim=1)
         if bias_E is not None:
             logits_TE = logits_TE + bias_E.float()
         ctx.save_for_backward(x2_TD, w_ED)
@@ -114,20 +136,20 @@ class RouterLogits(torch.autograd.Function):
         x2_TD, w_ED = ctx.saved_tensors
         E = w_ED.shape[0]
         dl_TE = dlogits.reshape(-1, E).float()
-        dl_parts = split_bf16(dl_TE, 3)
+        dl_TP = split3_side_by_side(dl_TE)  # [dl1 | dl2 | dl3], [T, 3E]
         dx = dw = dbias = None
         if ctx.needs_input_grad[0]:
-            dl1, dl2 = dl_parts[:2]  # the 2-part split of dL is the 3-part split's first two parts
+            # the 2-part split of dL is the 3-part split's first two parts
             if w_ED.dtype == torch.bfloat16:
-                a_TK, b_KD = torch.cat([dl1, dl2], dim=1), torch.cat([w_ED, w_ED], dim=0)
+                a_TK, b_KD = dl_TP[:, : 2 * E], torch.cat([w_ED, w_ED], dim=0)
             else:
+                dl1, dl2 = dl_TP[:, :E], dl_TP[:, E : 2 * E]
                 w1, w2 = split_bf16(w_ED, 2)
                 a_TK, b_KD = torch.cat([dl1, dl1, dl2], dim=1), torch.cat([w1, w2, w1], dim=0)
             dx = _mm_bf16(a_TK, b_KD).reshape(*ctx.lead, x2_TD.shape[1])
         if ctx.needs_input_grad[1]:
-            dl_PT = torch.cat(dl_parts, dim=1).t().contiguous()  # [3E, T]
             chunk = wgrad_chunk(x2_TD.shape[0])
-            dw = _sum_parts(chunked_mm_fp32(dl_PT, x2_TD.contiguous(), chunk), 3, dim=0).to(w_ED.dtype)
+            dw = chunked_mm_fp32(dl_TP.t(), x2_TD.contiguous(), chunk, row_parts=3).to(w_ED.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             dbias = dl_TE.sum(0)
         return dx, dw, dbias

@@ -141,7 +141,9 @@ def _topk_meta(case, gen):
 
 @pytest.mark.parametrize("case", ["topk_ragged", "empty_experts", "one_expert"])
 def test_gather_sum_fixed_k_equals_offsets(case):
-    """Top-K: the pair range computed from K gives bitwise the result of reading token_offsets."""
+    """Top-K: the pair range computed from K gives bitwise the result of reading token_offsets at the same load width
+    (the fixed-K path loads the next power of two of K pairs per step; fp32 sums grouped otherwise round otherwise,
+    as a GPU shows at K = 3)."""
     _, gather_sum = _kernels()
     gen = torch.Generator().manual_seed(5)
     fixed, csr, scores = _topk_meta(case, gen)
@@ -149,7 +151,7 @@ def test_gather_sum_fixed_k_equals_offsets(case):
     rows = torch.randn(csr.num_rows, 1100, generator=gen).to(DEVICE, torch.bfloat16)
     for w in (scores, None):
         a = gather_sum(rows, fixed, w)
-        b = gather_sum(rows, csr, w, pairs_per_token=fixed.pairs_per_token)
+        b = gather_sum(rows, csr, w, pairs_per_token=triton.next_power_of_2(fixed.pairs_per_token))
         assert torch.equal(a, b)
 
 
@@ -205,3 +207,27 @@ def test_gather_sum_rejects_bad_input():
         gather_sum(torch.zeros(meta.num_rows, 8, dtype=torch.int32, device=DEVICE), meta, None)
     with pytest.raises(ValueError, match="routed pair count"):
         gather_sum(torch.randn(meta.num_rows + 1, 8, device=DEVICE), meta, None)
+
+
+@pytest.mark.parametrize("shape", [(37, 100), (64, 256), (5, 1)])
+def test_split3_bf16_is_the_exact_three_part_split(shape):
+    """One launch writes PyTorch's three bf16 parts side by side, bit for bit (round to nearest even), for values
+    across fp32's range: zeros, halfway cases of the first cast, large magnitudes, and on the GPU subnormals (the
+    interpreter's bit casts of subnormal values differ); a strided input."""
+    from sonic_megatron.kernels.triton.bf16_split import split3_bf16
+
+    from sonic_megatron.router_gemm import split_bf16
+
+    T, E = shape
+    g = torch.Generator().manual_seed(T * E)
+    low = -130 if DEVICE == "cuda" else -90  # parts of values from 2^-90 up stay normal
+    v = torch.randn(T, 2 * E, generator=g) * torch.exp2(torch.randint(low, 120, (T, 2 * E), generator=g).float())
+    v[0, :4] = torch.tensor([0.0, -0.0, 1.0 + 2.0**-8, -(1.0 + 3 * 2.0**-8)])[: min(4, 2 * E)]  # ties of bf16(v)
+    v_TE = v.to(DEVICE)[:, ::2]  # stride 2 along E
+    got = split3_bf16(v_TE)
+    want = torch.cat(split_bf16(v_TE, 3), dim=1)
+    assert got.shape == (T, 3 * E) and got.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    normal = v_TE.abs() >= 2.0**-100  # the parts of smaller values can fall below bf16's subnormals
+    parts_sum = sum(p.double() for p in got.double().split(E, dim=1))
+    assert torch.equal(parts_sum[normal], v_TE.double()[normal])  # exact
