@@ -1,4 +1,4 @@
-"""SonicRouter's fused top-K path (one Triton top-K + softmax kernel; under TRITON_INTERPRET=1 on CPU) against
+"""SonicRouter's fused top-K path (one Triton top-K + softmax kernel; on a GPU, or interpreted on CPU) against
 Megatron's TopKRouter with the same weights: the same experts per token, scores and router-weight gradients
 (with z-loss and the aux losses attached) within the 2x-PyTorch-error rule against a float64 TopKRouter, and
 TopKRouter's own path for the options the kernel does not cover."""
@@ -38,8 +38,10 @@ def _run(opts, dtype, fused_expected):
         d: moe_config(hidden_size=H, num_moe_experts=16, moe_router_topk=4, moe_router_dtype=d, **opts)
         for d in ("fp32", "fp64")
     }
+    # Megatron's gating moves a CPU router to the GPU wherever there is one: the GPU there, the CPU elsewhere.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    x = torch.randn(S, B, H)
+    x = torch.randn(S, B, H).to(device)
     weight = torch.randn(16, H, dtype=torch.float64) * 0.5
     outs = {}
     for name, cls, dt in (
@@ -48,7 +50,7 @@ def _run(opts, dtype, fused_expected):
         ("ref32", TopKRouter, dtype),
     ):
         cfg = cfgs["fp64" if dt == torch.float64 else "fp32"]
-        router = cls(config=cfg, pg_collection=default_pg_collection()).to(dt)
+        router = cls(config=cfg, pg_collection=default_pg_collection()).to(device=device, dtype=dt)
         with torch.no_grad():
             router.weight.copy_(weight)
         router.train()
@@ -59,7 +61,8 @@ def _run(opts, dtype, fused_expected):
         scores_TK, idx_TK = as_topk(probs, rmap, 4)
         order = torch.sort(idx_TK, dim=1)
         scores_TK = scores_TK.gather(1, order.indices)
-        loss = (scores_TK * torch.linspace(-1, 1, scores_TK.numel()).view_as(scores_TK).to(dt)).sum()
+        ramp = torch.linspace(-1, 1, scores_TK.numel(), device=device).view_as(scores_TK)
+        loss = (scores_TK * ramp.to(dt)).sum()
         loss.backward()
         outs[name] = (order.values, scores_TK.detach().double(), router.weight.grad.double())
     idx, s, g = outs["sonic"]
@@ -94,11 +97,12 @@ def results(tmp_path_factory):
     from sonic_megatron.testing import spawn
 
     out = tmp_path_factory.mktemp("router_fused")
-    # The worker runs on the CPU, its Triton kernel under the interpreter, which it must see before it imports
-    # Triton: a spawned process takes the environment at its start. This process keeps its own (set here for
-    # good, the interpreter would also run every later test's kernels on a GPU machine).
+    # Without a GPU the worker runs on the CPU, its Triton kernel under the interpreter, which it must see before it
+    # imports Triton: a spawned process takes the environment at its start. This process keeps its own (set here for
+    # good, the interpreter would also run every later test's kernels). With a GPU it runs there, compiled.
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("TRITON_INTERPRET", "1")
+        if not torch.cuda.is_available():
+            env.setenv("TRITON_INTERPRET", "1")
         spawn(_worker, 1, str(out), timeout=600)
     return json.load(open(out / "result.json"))
 
