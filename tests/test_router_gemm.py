@@ -36,6 +36,21 @@ def test_chunked_mm_matches_float64_sum(K):
     torch.testing.assert_close(chunked_mm_fp32(a, b, 256).double(), a.double() @ b.double(), rtol=1e-5, atol=1e-6 * K)
 
 
+@pytest.mark.parametrize("K", [37, 700])
+def test_chunked_mm_sums_row_parts_of_strided_operands(K):
+    """a given as a transposed view (the GEMM reads it in place) whose rows are 3 stacked parts: one reduction over
+    the chunks and the parts gives the sum of the parts' products."""
+    from sonic_megatron.router_gemm import chunked_mm_fp32
+
+    g = torch.Generator().manual_seed(K)
+    a_KM = torch.randn(K, 3 * 5, generator=g).bfloat16()  # a = a_KM^T: [3 parts x 5 rows, K]
+    b_KN = torch.randn(K, 4, generator=g).bfloat16()
+    got = chunked_mm_fp32(a_KM.t(), b_KN, 256, row_parts=3)
+    want = sum((a_KM.double().t() @ b_KN.double()).split(5, dim=0))
+    assert got.shape == (5, 4)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=3e-6 * K)
+
+
 def _errors(fn, x, w, b, dl):
     """(logits, dx, dw, dbias) errors of ``fn`` against float64."""
     outs = []
