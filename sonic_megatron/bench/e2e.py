@@ -391,14 +391,13 @@ def run(args: argparse.Namespace) -> int:
     log_dir = args.log_dir or (os.path.dirname(os.path.abspath(args.json)) if args.json else "out")
     seeds = list(range(args.seed, args.seed + args.seeds))
 
-    def seed_flags(seed: int) -> tuple[list[str], dict]:
-        """pretrain_gpt.py's shared flags at ``seed`` and the markov dataset they read (``{}``: mock data;
-        else its ``data_path`` and ``sizes``)."""
+    def seed_flags(seed: int) -> tuple[list[str], dict | None]:
+        """pretrain_gpt.py's shared flags at ``seed`` and the sizes of the markov dataset they read (None: mock
+        data), which is written at ``markov_data_path(log_dir, sizes)``."""
         sizes = markov_data_sizes(shape, args, seed) if args.data == "markov" else None
-        dataset = {"data_path": markov_data_path(log_dir, sizes), "sizes": sizes} if sizes else {}
-        data = {"data_path": dataset["data_path"], "split": markov_split(sizes)} if sizes else {}
+        data = {"data_path": markov_data_path(log_dir, sizes), "split": markov_split(sizes)} if sizes else {}
         flags = pretrain_flags(shape, iters=args.iters, ep=args.ep, seed=seed, eval_iters=args.eval_iters, **data)
-        return flags + shlex.split(args.pretrain_args), dataset
+        return flags + shlex.split(args.pretrain_args), sizes
 
     if args.print_flags:
         print("\n".join(seed_flags(seeds[0])[0]))
@@ -426,14 +425,15 @@ def run(args: argparse.Namespace) -> int:
     )
     rows, count = [], len(providers) * len(seeds)
     for s_index, seed in enumerate(seeds):
-        flags, dataset = seed_flags(seed)
+        flags, sizes = seed_flags(seed)
         if len(seeds) > 1:
             print(f"seed {seed} ({s_index + 1} of {len(seeds)}):", flush=True)
-        if dataset and not args.dry_run:
+        if sizes and not args.dry_run:
             from .markov_data import write_dataset
 
-            print(f"writing the markov dataset {dataset['data_path']} ...", flush=True)
-            write_dataset(dataset["data_path"], **dataset["sizes"])
+            data_path = markov_data_path(log_dir, sizes)
+            print(f"writing the markov dataset {data_path} ...", flush=True)
+            write_dataset(data_path, **sizes)
         for p_index, name in enumerate(providers):
             i = s_index * len(providers) + p_index + 1
             suffix = f"-seed{seed}" if len(seeds) > 1 else ""
