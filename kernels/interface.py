@@ -178,6 +178,8 @@ def validate_inputs(
             _check_index_tensor("routing.token_offsets", offsets, 1)
             if offsets.numel() != T + 1:
                 _fail("routing.token_offsets", f"1-D of length T + 1 = {T + 1}", tuple(offsets.shape))
+        if routing.metadata is not None:
+            _check_metadata_shapes(routing.metadata, R, T, E, x_TD.device)
         expert_idx, token_idx = routing.expert_idx_R, routing.token_idx_R
     else:
         raise TypeError(f"moe_experts: routing must be TopKRouting or FlatRouting, got {type(routing).__name__}")
@@ -207,6 +209,25 @@ def validate_inputs(
             offsets = routing.token_offsets  # token_idx is a FlatRouting's
             if offsets is not None and not torch.equal(offsets.long(), run_offsets(token_idx, T)):
                 _fail("routing.token_offsets", "each token's first pair in token_idx_R (CSR offsets)", "others")
+            meta = routing.metadata
+            if meta is not None:
+                built = compute_metadata(dataclasses.replace(routing, metadata=None), E)[1]
+                for name, a, b in zip(_META_NAMES, meta.tensors(), built.tensors(), strict=True):
+                    if not torch.equal(a, b):
+                        _fail(f"routing.metadata.{name}", "the metadata of the routing's pairs", "other values")
+
+
+_META_NAMES = ("expert_offsets", "x_gather_idx", "s_scatter_idx", "s_reverse_scatter_idx", "token_offsets")
+
+
+def _check_metadata_shapes(meta: RoutingMetadata, R: int, T: int, E: int, device: torch.device) -> None:
+    """A producer's metadata (``FlatRouting.metadata``): int32 arrays of the routing's sizes on x's device."""
+    sizes = (E + 1, R, R, R, T + 1)
+    for name, t, n in zip(_META_NAMES, meta.tensors(), sizes, strict=True):
+        if t.dtype != torch.int32 or t.dim() != 1 or t.numel() != n:
+            _fail(f"routing.metadata.{name}", f"1-D int32 of length {n}", f"{t.dtype} of shape {tuple(t.shape)}")
+        if t.device != device:
+            _fail(f"routing.metadata.{name}.device", f"x.device ({device})", t.device)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -262,6 +283,8 @@ def compute_metadata(
     if isinstance(routing, TopKRouting) and build_topk is not None:
         # Fewer launches before the first GEMM (the host is on the critical path of short calls).
         return routing.scores_TK.reshape(-1), build_topk(routing.indices_TK, num_experts)
+    if isinstance(routing, FlatRouting) and routing.metadata is not None:  # the producer built it
+        return routing.scores_R, routing.metadata
     token_idx_R, expert_idx_R, scores_R, token_offsets = flatten_routing(routing)
     build = getattr(ops, "compute_metadata", compute_metadata_torch)
     if isinstance(routing, FlatRouting) and routing.padded:

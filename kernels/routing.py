@@ -55,6 +55,10 @@ class FlatRouting:
     # [T+1] int32 CSR offsets of each token's pairs when the producer has them (token rounding's scan); None:
     # found from token_idx_R (a binary search per token).
     token_offsets: torch.Tensor | None = None
+    # The experts' metadata of these pairs when the producer built it (token rounding's placing kernel), exactly
+    # what ``compute_metadata`` would build (padded: padding rows past expert_offsets[E], gathering token T - 1);
+    # None: built by the experts.
+    metadata: RoutingMetadata | None = None
 
 
 Routing = TopKRouting | FlatRouting

@@ -32,6 +32,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .config import SonicConfig
 from .kernels import FlatRouting, TopKRouting
+from .kernels.routing import RoutingMetadata
 from .router import as_topk
 from .token_dispatch import EPOptions, TokenRounding, combine, dispatch, make_plan, round_local
 
@@ -91,9 +92,16 @@ class LocalPlan:
         if isinstance(r, TopKRouting):
             return LocalPlan(TopKRouting(r.scores_TK, r.indices_TK.clone()))
         offsets = None if r.token_offsets is None else r.token_offsets.clone()
+        meta = r.metadata
+        if meta is not None:
+            meta = RoutingMetadata(*(t.clone() for t in meta.tensors()), pairs_per_token=meta.pairs_per_token)
         return LocalPlan(
             dataclasses.replace(
-                r, token_idx_R=r.token_idx_R.clone(), expert_idx_R=r.expert_idx_R.clone(), token_offsets=offsets
+                r,
+                token_idx_R=r.token_idx_R.clone(),
+                expert_idx_R=r.expert_idx_R.clone(),
+                token_offsets=offsets,
+                metadata=meta,
             )
         )
 

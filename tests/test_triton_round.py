@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from sonic_megatron.kernels import TopKRouting  # noqa: E402
+from sonic_megatron.kernels.interface import compute_metadata  # noqa: E402
 from sonic_megatron.kernels.routing import run_offsets  # noqa: E402
 from sonic_megatron.token_dispatch import TokenRounding, round_routing  # noqa: E402
 from sonic_megatron.token_dispatch.rounding import round_local_torch, rounded_pairs_bound, top_n_rows_torch  # noqa: E402
@@ -27,6 +28,16 @@ def _kernels():
     except Exception as exc:  # pragma: no cover - depends on the triton build
         pytest.skip(f"triton kernels cannot be imported here: {exc}")
     return triton_round
+
+
+def _assert_metadata_of(got, ref, E):
+    """The kernels' metadata equals what the experts would build from the reference's pairs (PyTorch ops)."""
+    assert got.metadata is not None
+    built = compute_metadata(ref, E)[1]
+    names = ("expert_offsets", "x_gather_idx", "s_scatter_idx", "s_reverse_scatter_idx", "token_offsets")
+    for name, a, b in zip(names, got.metadata.tensors(), built.tensors(), strict=True):
+        assert a.dtype == torch.int32 and torch.equal(a.cpu(), b), name
+    assert got.metadata.pairs_per_token == built.pairs_per_token == 0
 
 
 def _routing(T, E, K, seed, ties, dtype=torch.float32):
@@ -69,6 +80,7 @@ def test_round_local_kernels_equal_the_reference(mode, T, E, K, M, seed, ties):
         (got.scores_R, ref.scores_R),
     ):
         assert a.dtype == b.dtype and torch.equal(a.detach().cpu(), b.detach())
+    _assert_metadata_of(got, ref, E)
     # the single-process reference of the EP decision: the same real pairs
     tok = torch.arange(T).repeat_interleave(K)
     plain = round_routing(tok, idx.reshape(-1), scores.reshape(-1), dense, num_experts=E, rounding=rnd)
@@ -95,6 +107,7 @@ def test_round_local_kernels_bf16_scores_and_chunked_rows(monkeypatch):
         (got.scores_R, ref.scores_R),
     ):
         assert torch.equal(a.cpu(), b)
+    _assert_metadata_of(got, ref, 6)  # the block prefixes cross chunks of 32 tokens
 
 
 def test_top_n_rows_reference_selects_the_largest_keys_lowest_tokens_first():
@@ -125,3 +138,44 @@ def test_nearest_never_empties_a_routed_expert(path):
     t = torch.bincount(got.expert_idx_R.cpu(), minlength=E + 1)[:E]
     want = torch.where((f > 0) & (f <= M // 2), M, torch.round(f.double() / M).long() * M)
     assert torch.equal(t, want), (f.tolist(), t.tolist())
+
+
+def test_experts_read_the_rounded_metadata():
+    """The experts on the kernels' rounded routing (its metadata from the placing kernel) give the outputs and
+    gradients of the same pairs with the metadata built by the experts; the CPU check of the indices compares the
+    two metadata, and a metadata of the wrong size is refused naming the field."""
+    import dataclasses
+
+    from sonic_megatron.kernels import moe_experts
+
+    T, E, K, M, D, F = 60, 6, 2, 8, 16, 8
+    scores, idx, dense = _routing(T, E, K, 9, False)
+    got = _kernels().round_local_triton(TopKRouting(scores.to(DEVICE), idx.to(DEVICE)), dense.to(DEVICE), E, "up", M)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, D, generator=g, dtype=torch.float64)
+    w1 = torch.randn(E, 2 * F, D, generator=g, dtype=torch.float64) / 4
+    w2 = torch.randn(E, D, F, generator=g, dtype=torch.float64) / 4
+    results = []
+    for routing in (got, dataclasses.replace(got, metadata=None)):
+        routing = dataclasses.replace(
+            routing,
+            **{f: getattr(routing, f).cpu() for f in ("token_idx_R", "expert_idx_R", "token_offsets")},
+            scores_R=routing.scores_R.detach().cpu().double().requires_grad_(),
+        )
+        if routing.metadata is not None:
+            meta = routing.metadata
+            routing = dataclasses.replace(
+                routing, metadata=type(meta)(*(t.cpu() for t in meta.tensors()), pairs_per_token=0)
+            )
+        xs, a, b = (t.clone().requires_grad_() for t in (x, w1, w2))
+        out = moe_experts(xs, routing, a, b, backend="torch", check_indices=True)
+        out.backward(torch.ones_like(out))
+        real = int(routing.token_offsets[-1])  # padding pairs' score gradients are left unwritten
+        results.append((out, xs.grad, routing.scores_R.grad[:real], a.grad, b.grad))
+    for u, v in zip(*results, strict=True):
+        assert torch.equal(u, v)
+    meta = got.metadata
+    short = type(meta)(meta.expert_offsets[:-1], *meta.tensors()[1:], pairs_per_token=0)
+    with pytest.raises(ValueError, match="routing.metadata.expert_offsets"):
+        x_, w1_, w2_ = (t.to(DEVICE, torch.float32) for t in (x, w1, w2))
+        moe_experts(x_, dataclasses.replace(got, metadata=short), w1_, w2_)

@@ -310,8 +310,8 @@ def round_local(
 ) -> FlatRouting:
     """``round_routing(..., group=None)`` on the device without a host sync (same pairs, same order, same
     scores for fp32 / 16-bit scores), as a padded ``FlatRouting`` of ``rounded_pairs_bound`` pairs: three Triton
-    launches and a scan on CUDA (``triton_round.py``; for K <= 126, E <= 4096 and scores of at most 32 bits),
-    ``round_local_torch`` elsewhere.
+    launches and a scan on CUDA (``triton_round.py``; for K <= 126, E <= 4096, scores of at most 32 bits and fewer
+    than 2^30 pairs), which also hand the experts their metadata; ``round_local_torch`` elsewhere.
 
     Args:
         routing: top-K routing over the E experts, one process (scores [T, K], distinct indices per row).
@@ -320,7 +320,8 @@ def round_local(
     """
     T, K = routing.indices_TK.shape
     narrow = routing.scores_TK.dtype != torch.float64 and rounding_scores_TE.dtype != torch.float64
-    if routing.indices_TK.is_cuda and T * K > 0 and K <= 126 and num_experts <= 4096 and narrow:
+    small = 2 * rounded_pairs_bound(T * K, T, num_experts, rounding.tile) < 2**31  # the kernels' int32 scan
+    if routing.indices_TK.is_cuda and T * K > 0 and K <= 126 and num_experts <= 4096 and narrow and small:
         try:
             from .triton_round import round_local_triton
         except ImportError:
