@@ -30,14 +30,16 @@ from .routing import (
     flatten_routing,
     run_offsets,
 )
+from .weight_grad_pairs import WeightGradWork
 
 BACKENDS = ("auto", "torch", "cute")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-# weight_grad_hook(compute) -> (dW1 or None, dW2 or None); compute() returns (dW1, dW2), and
+# weight_grad_hook(compute) -> (dW1 or None, dW2 or None); compute (a WeightGradWork) returns (dW1, dW2), and
 # compute(out=(dW1_acc, dW2_acc)) adds them into those buffers instead (fused accumulation, e.g. main_grad), and
-# compute(out=..., accumulate=False) stores them there (buffers that hold no gradient yet).
-WeightGradHook = Callable[[Callable[..., tuple[torch.Tensor, torch.Tensor]]], tuple[torch.Tensor | None, ...]]
+# compute(out=..., accumulate=False) stores them there (buffers that hold no gradient yet);
+# compute.merged_with(later) is one work over both micro-batches' rows.
+WeightGradHook = Callable[[WeightGradWork], tuple[torch.Tensor | None, ...]]
 
 _warned: set[str] = set()
 
@@ -262,10 +264,7 @@ class MoEExpertsFunction(torch.autograd.Function):
         )
         dw1 = dw2 = None
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
-
-            def weight_grads(out=None, accumulate=True):
-                return ops.backward_weights(dO_TD, x_TD, aprime_RF, dH_RG, meta, out=out, accumulate=accumulate)
-
+            weight_grads = WeightGradWork(ops, dO_TD, x_TD, aprime_RF, dH_RG, meta)
             hook = ctx.weight_grad_hook
             dw1, dw2 = weight_grads() if hook is None else hook(weight_grads)
         dscores_R = dscores_R.to(scores_R.dtype) if ctx.needs_input_grad[1] else None
@@ -326,7 +325,7 @@ def moe_experts(
         activation: one of ``swiglu`` (default), ``geglu``, ``relu2``, ``gelu``.
         backend: ``auto`` (``cute`` on Hopper, else ``torch``), ``torch`` or ``cute``.
         check_indices: read index values back to validate their range and order (default: on CPU only).
-        weight_grad_hook: called in backward with a function computing ``(dW1, dW2)``; returns what autograd
+        weight_grad_hook: called in backward with a ``WeightGradWork`` computing ``(dW1, dW2)``; returns what autograd
             gets for the weights (e.g. ``(None, None)`` after accumulating them elsewhere, or after deferring the
             call, as Megatron's ``main_grad`` fusion and ``backward_dw()`` do). None: plain autograd. The
             function also takes ``out=(dW1_acc, dW2_acc)``: the gradients are then ADDED into those buffers

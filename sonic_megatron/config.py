@@ -82,6 +82,11 @@ class SonicConfig:
             1F1B EP overlap (``--overlap-moe-expert-parallel-comm``), where another micro-batch's all-to-all runs
             beside the experts node: there the first GEMM of its forward and backward-data and its
             weight-gradient GEMMs leave the SMs free (``token_dispatch.local_experts``).
+        pair_weight_grads: under Megatron's training schedules (expert-parallel size 1, weight gradients fused into
+            DDP's ``main_grad``), run the experts' weight-gradient GEMMs once per pair of micro-batches, over both
+            micro-batches' rows, instead of once per micro-batch: one read and write of the fp32 ``main_grad`` per
+            pair. Holds one micro-batch's dO, X, A' and dH per layer until the next micro-batch's backward
+            (``sonic_megatron/wgrad.py``). Off: every backward computes its own.
     """
 
     backend: str = "auto"
@@ -92,6 +97,7 @@ class SonicConfig:
     redispatch_x_in_backward: bool = False
     by_source: bool = False
     comm_sms: int = 0
+    pair_weight_grads: bool = True
 
     def __post_init__(self) -> None:
         from .kernels import BACKENDS
@@ -104,6 +110,7 @@ class SonicConfig:
         _check_int("comm_sms", self.comm_sms, minimum=0)
         _check_bool("redispatch_x_in_backward", self.redispatch_x_in_backward)
         _check_bool("by_source", self.by_source)
+        _check_bool("pair_weight_grads", self.pair_weight_grads)
         if self.dispatcher == "megatron" and self.token_rounding != "none":
             raise ValueError(
                 f"SonicConfig.token_rounding={self.token_rounding!r} needs dispatcher='sonic' (got "

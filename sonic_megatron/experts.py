@@ -106,12 +106,25 @@ class SonicExperts(MegatronModule):
         self.wgrad = WeightGradSink(
             (self.weight1, self.weight2),
             delay=delay,
+            config=self.config,
+            pair=self.sonic_config.pair_weight_grads,
         )
         if delay:
             from .token_dispatch import DeferredWeightGrad
             from .wgrad import add_to_main_grads
 
             self.wgrad.ep_deferred = DeferredWeightGrad(sink=add_to_main_grads)
+
+    @property
+    def sonic_config(self) -> SonicConfig:
+        return self._sonic_config
+
+    @sonic_config.setter
+    def sonic_config(self, sonic: SonicConfig) -> None:
+        """Set by SonicMoELayer after construction: the weight-gradient sink follows its options."""
+        self._sonic_config = sonic
+        if hasattr(self, "wgrad"):
+            self.wgrad.pair = sonic.pair_weight_grads
 
     @torch.no_grad()
     def _init_weights(self) -> None:

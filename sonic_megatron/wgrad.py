@@ -18,10 +18,20 @@ Megatron's contract, mirrored here:
   ``register_wgrad_accumulation_and_reduce_hooks`` (parameters carry ``skip_backward_post_hook``).
 The recorded work lives in a FIFO owned by the experts module; backward of microbatch i always precedes
 its ``backward_dw``, so the queue never holds more than the microbatches in flight.
+
+Micro-batch pairs (``SonicConfig.pair_weight_grads``, fused accumulation, not delayed): under Megatron's training
+schedules, the weight GEMMs of an iteration's micro-batches 2i and 2i+1 run once, over both micro-batches' rows
+(``WeightGradWork.merged_with``): one pass over the fp32 ``main_grad`` per pair instead of one per micro-batch.
+Micro-batch 2i's work is held until 2i+1's backward (autograd gets no weight gradient for 2i, so DDP's hook fires
+at 2i+1); the iteration's last micro-batch never waits (``get_num_microbatches``), and Megatron's
+``finalize_model_grads_func``, which every schedule calls before the gradients are used, first runs any work
+still held (a wrapper installed on the model's config at the first pairable backward), so no gradient can be
+left behind. Anywhere else (no Megatron schedule, no micro-batch calculator) each backward computes its own.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable
 
@@ -87,16 +97,60 @@ def add_to_main_grads(fn, params) -> None:
             accumulate_weight_grad(w, g)
 
 
-class WeightGradSink:
-    """Receives (w1, w2) weight gradients for one experts module."""
+_PAIRING_SINKS: weakref.WeakSet = weakref.WeakSet()  # sinks whose held work Megatron's finalize runs first
 
-    def __init__(self, params: tuple[torch.nn.Parameter, ...], *, delay: bool):
+
+def _num_microbatches() -> int | None:
+    """Megatron's micro-batches per iteration, None outside its training setup."""
+    try:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        return int(get_num_microbatches())
+    except Exception:  # no calculator initialised (plain autograd use, tests, benchmarks)
+        return None
+
+
+def _finalize_runs_held_work(config) -> bool:
+    """Wrap ``config.finalize_model_grads_func`` (Megatron's schedules call it after an iteration's last backward,
+    before the gradients are reduced or read) so that it first runs every sink's held work and restarts the
+    micro-batch counts; True when it is (or already was) wrapped, False where there is none."""
+    finalize = getattr(config, "finalize_model_grads_func", None)
+    if finalize is None:
+        return False
+    if getattr(finalize, "runs_held_weight_grads", False):
+        return True
+
+    def finalize_after_held_weight_grads(*args, **kwargs):
+        for sink in list(_PAIRING_SINKS):
+            sink.flush()
+        return finalize(*args, **kwargs)
+
+    finalize_after_held_weight_grads.runs_held_weight_grads = True
+    config.finalize_model_grads_func = finalize_after_held_weight_grads
+    return True
+
+
+class WeightGradSink:
+    """Receives (w1, w2) weight gradients for one experts module.
+
+    Args:
+        params: (w1, w2).
+        delay: Megatron's ``delay_wgrad_compute`` (record in backward, compute in ``backward_dw()``).
+        config: the model's TransformerConfig (its ``finalize_model_grads_func``); None: no micro-batch pairs.
+        pair: ``SonicConfig.pair_weight_grads`` (see the module docstring).
+    """
+
+    def __init__(self, params: tuple[torch.nn.Parameter, ...], *, delay: bool, config=None, pair: bool = False):
         self.params = params
         self.delay = delay
+        self.config = config
+        self.pair = pair
         self._pending: deque[Callable[[], tuple[torch.Tensor, ...]]] = deque()
         self._hooks: list[Callable] = []
         # token_dispatch.local_experts defers into its own DeferredWeightGrad (set by SonicExperts).
         self.ep_deferred = None
+        self._held = None  # a micro-batch's WeightGradWork waiting for the next micro-batch's
+        self._backwards = 0  # backward calls since Megatron's last finalize
 
     # -- called from autograd backward ---------------------------------------------------------------
     def grads_for_autograd(self, compute: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor | None, ...]:
@@ -107,10 +161,42 @@ class WeightGradSink:
         mains = fusable_main_grads(self.params)
         if mains is None:  # no DDP buffers: plain autograd gradients
             return compute()
+        if self._pairs_here(compute):
+            index, self._backwards = self._backwards, self._backwards + 1
+            if self._held is None:
+                count = _num_microbatches()
+                if count is not None and index < count - 1:  # not the iteration's last: wait for the next one
+                    self._held = compute
+                    return (None,) * len(self.params)
+            else:
+                compute, self._held = self._held.merged_with(compute), None
         # The GEMMs add straight into the fp32 main_grads (no temporary, no add kernel), or store there at the
-        # iteration's first micro-batch.
+        # iteration's first micro-batch (or pair).
         compute(out=mains, accumulate=not main_grads_empty(self.params))
         return tuple(self._added_to_main_grad(p) for p in self.params)
+
+    def _pairs_here(self, compute) -> bool:
+        """Micro-batch pairs apply: asked for, a mergeable work, and a Megatron finalize that runs held work."""
+        if not self.pair or not hasattr(compute, "merged_with") or not _finalize_runs_held_work(self.config):
+            return False
+        _PAIRING_SINKS.add(self)
+        return True
+
+    @torch.no_grad()  # Megatron's finalize runs outside autograd's backward; the held tensors may require grad
+    def flush(self) -> None:
+        """Run the held work (alone), and restart the micro-batch count (a new iteration follows)."""
+        held, self._held = self._held, None
+        self._backwards = 0
+        if held is None:
+            return
+        mains = fusable_main_grads(self.params)
+        if mains is not None:
+            held(out=mains, accumulate=not main_grads_empty(self.params))
+            for p in self.params:
+                p.grad_added_to_main_grad = True
+            return
+        for p, g in zip(self.params, held(), strict=True):  # DDP's buffers went away: plain accumulation
+            accumulate_weight_grad(p, g)
 
     @staticmethod
     def _added_to_main_grad(p: torch.nn.Parameter) -> torch.Tensor | None:
