@@ -176,8 +176,20 @@ class WeightGradSink:
         return tuple(self._added_to_main_grad(p) for p in self.params)
 
     def _pairs_here(self, compute) -> bool:
-        """Micro-batch pairs apply: asked for, a mergeable work, and a Megatron finalize that runs held work."""
-        if not self.pair or not hasattr(compute, "merged_with") or not _finalize_runs_held_work(self.config):
+        """Micro-batch pairs apply: asked for, a mergeable work, a Megatron finalize that runs held work, and no
+        CUDA graph being captured (a captured backward would replay one micro-batch's choice, hold or compute,
+        for every later one)."""
+        if not self.pair or not hasattr(compute, "merged_with"):
+            return False
+        if compute.x_TD.is_cuda and torch.cuda.is_current_stream_capturing():
+            if self._held is not None:
+                raise RuntimeError(
+                    "SonicConfig.pair_weight_grads: a CUDA graph capture began while a micro-batch's weight "
+                    "gradients were held for the next one; capture the MoE layer's backward with "
+                    "pair_weight_grads=False (SONIC_MEGATRON_PAIR_WEIGHT_GRADS=0)"
+                )
+            return False
+        if not _finalize_runs_held_work(self.config):
             return False
         _PAIRING_SINKS.add(self)
         return True

@@ -131,3 +131,17 @@ def test_no_pairs_outside_megatron_schedules(monkeypatch):
     assert sink.grads_for_autograd(_work(8, 2, 0))[0] is not None
     sink.config, sink.pair = config, False
     assert sink.grads_for_autograd(_work(8, 2, 1))[0] is not None
+
+
+def test_no_pairs_while_a_cuda_graph_is_captured(monkeypatch):
+    """A captured backward replays one choice for every micro-batch: while capturing, each backward computes its
+    own, and a capture that begins while work is held is refused, naming the option."""
+    from types import SimpleNamespace
+
+    sink, params, config, _ = _megatron_like(4, monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    cuda_work = SimpleNamespace(x_TD=SimpleNamespace(is_cuda=True), merged_with=None)
+    assert not sink._pairs_here(cuda_work)
+    sink._held = _work(8, 2, 0)
+    with pytest.raises(RuntimeError, match="pair_weight_grads=False"):
+        sink._pairs_here(cuda_work)
