@@ -12,7 +12,8 @@ Two ways in:
 * ``compute(x_TD, routing)``: a kernels routing over local expert ids (each token once, its experts'
   outputs summed); used by ``SonicMoELayer``'s own dispatch path.
 Weight gradients go through ``self.wgrad`` (a ``WeightGradSink``): added into Megatron DDP's ``main_grad`` by
-the GEMMs themselves wherever DDP allocated it, and deferred to ``backward_dw()`` with ``delay_wgrad_compute``.
+the GEMMs themselves wherever DDP allocated it (under Megatron's schedules once per pair of micro-batches,
+``SonicConfig.pair_weight_grads``), and deferred to ``backward_dw()`` with ``delay_wgrad_compute``.
 Selective recompute of ``moe_act`` and activation offloading of ``expert_fc1``/``moe_act`` are not needed:
 the Sonic kernels cache only X and H (never the activation or the gathered tokens).
 """
