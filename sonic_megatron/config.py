@@ -82,11 +82,12 @@ class SonicConfig:
             1F1B EP overlap (``--overlap-moe-expert-parallel-comm``), where another micro-batch's all-to-all runs
             beside the experts node: there the first GEMM of its forward and backward-data and its
             weight-gradient GEMMs leave the SMs free (``token_dispatch.local_experts``).
-        pair_weight_grads: under Megatron's training schedules (expert-parallel size 1, weight gradients fused into
-            DDP's ``main_grad``), run the experts' weight-gradient GEMMs once per pair of micro-batches, over both
-            micro-batches' rows, instead of once per micro-batch: one read and write of the fp32 ``main_grad`` per
-            pair. Holds one micro-batch's dO, X, A' and dH per layer until the next micro-batch's backward
-            (``sonic_megatron/wgrad.py``). Off: every backward computes its own.
+        pair_weight_grads: under Megatron's training schedules, wherever the experts' weight gradients go straight
+            into DDP's ``main_grad`` (the sonic dispatcher at expert-parallel size 1, or ``dispatcher='megatron'``;
+            not with ``delay_wgrad_compute``), run the experts' weight-gradient GEMMs once per pair of
+            micro-batches, over both micro-batches' rows, instead of once per micro-batch: one read and write of
+            the fp32 ``main_grad`` per pair. Holds one micro-batch's dO, X, A' and dH per layer until the next
+            micro-batch's backward (``sonic_megatron/wgrad.py``). Off: every backward computes its own.
     """
 
     backend: str = "auto"
