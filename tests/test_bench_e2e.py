@@ -729,3 +729,13 @@ def test_profile_flags_and_untimed_iterations(tmp_path):
     s = summarize(parse_log(lines), warmup=3, tokens_per_iteration=1, num_gpus=1, last_timed=8)
     assert s["iterations_timed"] == 5 and s["ms_per_iter_max"] == 100.0
     assert e2e.profile_dir(str(tmp_path / "e2e-qwen3-sonic.log")) == str(tmp_path / "e2e-qwen3-sonic-profile" / "tb")
+
+
+def test_benchmark_json_records_the_options_set_from_the_environment(monkeypatch):
+    """A run switched by SONIC_MEGATRON_* variables (e.g. the weight-gradient pairs off) says so in its JSON."""
+    from sonic_megatron.bench.common import environment
+
+    monkeypatch.setenv("SONIC_MEGATRON_PAIR_WEIGHT_GRADS", "0")
+    monkeypatch.setenv("UNRELATED_VARIABLE", "1")
+    env = environment()["sonic_megatron_env"]
+    assert env.get("SONIC_MEGATRON_PAIR_WEIGHT_GRADS") == "0" and "UNRELATED_VARIABLE" not in env

@@ -271,6 +271,7 @@ def _place_kernel(
         n = live.to(tl.int32)
         at = pos[None, :] + tl.cumsum(n, axis=0) - 1
         base = tl.load(scan_ptr + T + 1 + e, mask=e_ok, other=0) - total
+        # the cut kernel's block prefixes [E, NB]: NB = this grid's size (blocks of BT = its PB tokens)
         base += tl.load(prefix_ptr + e.to(tl.int64) * tl.num_programs(0) + b, mask=e_ok, other=0)
         row = base[:, None] + tl.cumsum(n, axis=1) - n
         slot = t64[None, :] * K + (r - 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import sys
 from collections.abc import Sequence
@@ -18,6 +19,9 @@ def environment() -> dict:
         "torch": torch.__version__,
         "host": platform.node(),
         "command": " ".join(sys.argv),
+        # the plugin's options set from the environment (SonicConfig overrides, kernel tuning) in this process and
+        # in every child it launches
+        "sonic_megatron_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SONIC_MEGATRON_")},
     }
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name()
