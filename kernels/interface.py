@@ -214,18 +214,15 @@ def validate_inputs(
             meta = routing.metadata
             if meta is not None:
                 built = compute_metadata(dataclasses.replace(routing, metadata=None), E)[1]
-                for name, a, b in zip(_META_NAMES, meta.tensors(), built.tensors(), strict=True):
+                for name, a, b in zip(RoutingMetadata.TENSOR_NAMES, meta.tensors(), built.tensors(), strict=True):
                     if not torch.equal(a, b):
                         _fail(f"routing.metadata.{name}", "the metadata of the routing's pairs", "other values")
-
-
-_META_NAMES = ("expert_offsets", "x_gather_idx", "s_scatter_idx", "s_reverse_scatter_idx", "token_offsets")
 
 
 def _check_metadata_shapes(meta: RoutingMetadata, R: int, T: int, E: int, device: torch.device) -> None:
     """A producer's metadata (``FlatRouting.metadata``): int32 arrays of the routing's sizes on x's device."""
     sizes = (E + 1, R, R, R, T + 1)
-    for name, t, n in zip(_META_NAMES, meta.tensors(), sizes, strict=True):
+    for name, t, n in zip(RoutingMetadata.TENSOR_NAMES, meta.tensors(), sizes, strict=True):
         if t.dtype != torch.int32 or t.dim() != 1 or t.numel() != n:
             _fail(f"routing.metadata.{name}", f"1-D int32 of length {n}", f"{t.dtype} of shape {tuple(t.shape)}")
         if t.device != device:

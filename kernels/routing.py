@@ -24,6 +24,7 @@ Rows of one expert are ordered by ascending flat pair index, i.e. by token (a st
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -76,6 +77,14 @@ class RoutingMetadata:
     # K when every token has exactly K pairs (top-K routing: token_offsets[t] = K*t), so kernels may compute a
     # token's pair range instead of loading it; 0 when the counts vary (flat routing, expert parallelism).
     pairs_per_token: int = 0
+    # the int32 arrays, in the order of ``tensors()``
+    TENSOR_NAMES: ClassVar[tuple[str, ...]] = (
+        "expert_offsets",
+        "x_gather_idx",
+        "s_scatter_idx",
+        "s_reverse_scatter_idx",
+        "token_offsets",
+    )
 
     @property
     def num_experts(self) -> int:
@@ -86,6 +95,7 @@ class RoutingMetadata:
         return self.x_gather_idx.numel()
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
+        # spelled out (not a loop over TENSOR_NAMES): called on every layer call
         return (
             self.expert_offsets,
             self.x_gather_idx,

@@ -199,16 +199,8 @@ class WeightGradSink:
         """Run the held work (alone), and restart the micro-batch count (a new iteration follows)."""
         held, self._held = self._held, None
         self._backwards = 0
-        if held is None:
-            return
-        mains = fusable_main_grads(self.params)
-        if mains is not None:
-            held(out=mains, accumulate=not main_grads_empty(self.params))
-            for p in self.params:
-                p.grad_added_to_main_grad = True
-            return
-        for p, g in zip(self.params, held(), strict=True):  # DDP's buffers went away: plain accumulation
-            accumulate_weight_grad(p, g)
+        if held is not None:
+            add_to_main_grads(held, self.params)
 
     @staticmethod
     def _added_to_main_grad(p: torch.nn.Parameter) -> torch.Tensor | None:

@@ -68,11 +68,7 @@ def test_saved_set_is_exactly_x_h_scores_metadata(kind, activation):
     take("w1", same_memory(w1))
     take("w2", same_memory(w2))
     take("scores (flat view of the router's tensor)", lambda t: t.data_ptr() == s.data_ptr() and t.numel() == R)
-    for name, m in zip(
-        ("expert_offsets", "x_gather_idx", "s_scatter_idx", "s_reverse_scatter_idx", "token_offsets"),
-        meta.tensors(),
-        strict=True,
-    ):
+    for name, m in zip(meta.TENSOR_NAMES, meta.tensors(), strict=True):
         take(name, lambda t, m=m: t.dtype == torch.int32 and t.shape == m.shape and torch.equal(t, m))
     h = take("H", lambda t: t.shape == (R, G) and t.dtype == dtype)
     assert not remaining, f"unexpected saved tensors: {_describe(remaining)}"
@@ -141,3 +137,10 @@ def test_training_stores_h(monkeypatch):
     )
     ours(x, p.routing(s), w1, w2, "swiglu")
     assert stored == [True]
+
+
+def test_metadata_names_follow_its_tensors():
+    from sonic_megatron.kernels import RoutingMetadata
+
+    meta = RoutingMetadata(*(torch.full((1,), i, dtype=torch.int32) for i in range(5)))
+    assert [int(getattr(meta, n)) for n in meta.TENSOR_NAMES] == [int(t) for t in meta.tensors()] == list(range(5))

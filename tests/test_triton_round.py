@@ -34,8 +34,7 @@ def _assert_metadata_of(got, ref, E):
     """The kernels' metadata equals what the experts would build from the reference's pairs (PyTorch ops)."""
     assert got.metadata is not None
     built = compute_metadata(ref, E)[1]
-    names = ("expert_offsets", "x_gather_idx", "s_scatter_idx", "s_reverse_scatter_idx", "token_offsets")
-    for name, a, b in zip(names, got.metadata.tensors(), built.tensors(), strict=True):
+    for name, a, b in zip(built.TENSOR_NAMES, got.metadata.tensors(), built.tensors(), strict=True):
         assert a.dtype == torch.int32 and torch.equal(a.cpu(), b), name
     assert got.metadata.pairs_per_token == built.pairs_per_token == 0
 
