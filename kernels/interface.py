@@ -241,19 +241,21 @@ class MoEExpertsFunction(torch.autograd.Function):
     ``ops.forward(..., store_h=False)`` instead, as ``moe_experts`` does."""
 
     @staticmethod
-    def forward(ctx, x_TD, scores_R, w1_EGD, w2_EDF, ops, activation, weight_grad_hook, pairs_per_token, *meta_tensors):
-        meta = RoutingMetadata(*meta_tensors, pairs_per_token=pairs_per_token)
+    def forward(ctx, x_TD, scores_R, w1_EGD, w2_EDF, ops, activation, weight_grad_hook, layout, *meta_tensors):
+        pairs_per_token, rows_multiple = layout
+        meta = RoutingMetadata(*meta_tensors, pairs_per_token=pairs_per_token, rows_multiple=rows_multiple)
         store_h = any(ctx.needs_input_grad[:4])  # inference keeps no H
         o_TD, h_RG = ops.forward(x_TD, scores_R, w1_EGD, w2_EDF, meta, activation, store_h=store_h)
         ctx.ops, ctx.activation, ctx.weight_grad_hook = ops, activation, weight_grad_hook
-        ctx.pairs_per_token = pairs_per_token
+        ctx.layout = layout
         ctx.save_for_backward(x_TD, h_RG, scores_R, w1_EGD, w2_EDF, *meta_tensors)
         return o_TD
 
     @staticmethod
     def backward(ctx, dO_TD):
         x_TD, h_RG, scores_R, w1_EGD, w2_EDF, *meta_tensors = ctx.saved_tensors
-        meta = RoutingMetadata(*meta_tensors, pairs_per_token=ctx.pairs_per_token)
+        pairs_per_token, rows_multiple = ctx.layout
+        meta = RoutingMetadata(*meta_tensors, pairs_per_token=pairs_per_token, rows_multiple=rows_multiple)
         ops = ctx.ops
         dO_TD = dO_TD.contiguous()
         dx_TD, dscores_R, (aprime_RF, dH_RG) = ops.backward_data(
@@ -339,5 +341,5 @@ def moe_experts(
         # Inference: no autograd node and no H (SonicMoE stores only A). This must be decided here: inside
         # Function.forward grad mode is always off and ctx.needs_input_grad ignores torch.no_grad().
         return ops.forward(x_TD, scores_R, w1_EGD, w2_EDF, meta, activation, store_h=False)[0]
-    args = (ops, activation, weight_grad_hook, meta.pairs_per_token)
+    args = (ops, activation, weight_grad_hook, (meta.pairs_per_token, meta.rows_multiple))
     return MoEExpertsFunction.apply(x_TD, scores_R, w1_EGD, w2_EDF, *args, *meta.tensors())

@@ -18,6 +18,8 @@ in ``token_offsets[t] : token_offsets[t+1]`` (CSR), and for top-K pair j is the 
     s_reverse_scatter_idx [R]    inverse: flat pair j is expert-sorted row s_reverse_scatter_idx[j]
     token_offsets         [T+1]  CSR offsets of each token's flat pairs
     pairs_per_token       int    K for top-K routing (every token has K pairs), 0 for flat routing
+    rows_multiple         int    every expert's row count is a multiple of it (token rounding's tile), 0 if
+                                 unknown; the GEMMs may then pick tiles that the rows fill exactly
 Rows of one expert are ordered by ascending flat pair index, i.e. by token (a stable sort).
 """
 
@@ -77,6 +79,8 @@ class RoutingMetadata:
     # K when every token has exactly K pairs (top-K routing: token_offsets[t] = K*t), so kernels may compute a
     # token's pair range instead of loading it; 0 when the counts vary (flat routing, expert parallelism).
     pairs_per_token: int = 0
+    # M when every expert's row count is a multiple of M (token rounding to the tile M); 0: any counts
+    rows_multiple: int = 0
     # the int32 arrays, in the order of ``tensors()``
     TENSOR_NAMES: ClassVar[tuple[str, ...]] = (
         "expert_offsets",

@@ -32,7 +32,6 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .config import SonicConfig
 from .kernels import FlatRouting, TopKRouting
-from .kernels.routing import RoutingMetadata
 from .router import as_topk
 from .token_dispatch import EPOptions, TokenRounding, combine, dispatch, make_plan, round_local
 
@@ -94,7 +93,9 @@ class LocalPlan:
         offsets = None if r.token_offsets is None else r.token_offsets.clone()
         meta = r.metadata
         if meta is not None:
-            meta = RoutingMetadata(*(t.clone() for t in meta.tensors()), pairs_per_token=meta.pairs_per_token)
+            meta = dataclasses.replace(
+                meta, **{n: t.clone() for n, t in zip(meta.TENSOR_NAMES, meta.tensors(), strict=True)}
+            )
         return LocalPlan(
             dataclasses.replace(
                 r,

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 from sonic_megatron.kernels import FlatRouting, TopKRouting, moe_experts, moe_experts_reference
-from sonic_megatron.kernels.interface import cute_unavailable_reason
+from sonic_megatron.kernels.interface import compute_metadata, cute_unavailable_reason
 
 pytestmark = pytest.mark.gpu
 
@@ -42,6 +42,15 @@ def _routing(kind: str, T: int, E: int, K: int, gen: torch.Generator):
         ex = torch.rand(T, E, generator=gen).argsort(-1)[:, :K][torch.arange(K)[None, :] < n_T[:, None]]
         scores = torch.rand(tok.numel(), generator=gen) + 0.1
         return FlatRouting(tok.int().to(dev), ex.int().to(dev), scores.to(dev), T)
+    if kind == "whole_tiles":  # every expert 2T/E rows, a multiple of 128 (as token rounding leaves them)
+        perm = torch.randperm(T, generator=gen)
+        ex = torch.stack([perm % E, (perm + 1) % E], 1).reshape(-1)  # K = 2: each expert T/E + T/E pairs
+        tok = torch.arange(T).repeat_interleave(2)
+        scores = torch.rand(tok.numel(), generator=gen) + 0.1
+        flat = FlatRouting(tok.int().to(dev), ex.int().to(dev), scores.to(dev), T)
+        meta = compute_metadata(flat, E)[1]
+        assert bool((meta.expert_offsets.diff() % 128 == 0).all())
+        return dataclasses.replace(flat, metadata=dataclasses.replace(meta, rows_multiple=128))
     if kind == "hot":  # expert 0 in every token, the others from the first half: empty experts too
         rest = max(K, E // 2)
         idx = torch.cat([torch.zeros(T, 1), 1 + torch.rand(T, rest - 1, generator=gen).argsort(-1)[:, : K - 1]], 1)
@@ -61,7 +70,7 @@ def _leaves(x, routing, w1, w2, dtype):
         r = TopKRouting(leaf(routing.scores_TK), routing.indices_TK)
         s = r.scores_TK
     else:
-        r = FlatRouting(routing.token_idx_R, routing.expert_idx_R, leaf(routing.scores_R), routing.num_tokens)
+        r = dataclasses.replace(routing, scores_R=leaf(routing.scores_R))  # its metadata too, if any
         s = r.scores_R
     return leaf(x), r, s, leaf(w1), leaf(w2)
 
@@ -121,6 +130,8 @@ SMALL = {
     "unaligned_to_64": (97, 136, 72, 5, 2, "uniform"),
     "rank_receives_nothing": (0, 256, 128, 4, 2, "uniform"),
     "large_F": (1000, 512, 1024, 8, 2, "uniform"),
+    # rows_multiple = 128: the dx GEMM takes its 128-row tile
+    "whole_tile_rows": (768, 256, 128, 6, 2, "whole_tiles"),
 }
 
 

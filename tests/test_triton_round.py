@@ -80,6 +80,7 @@ def test_round_local_kernels_equal_the_reference(mode, T, E, K, M, seed, ties):
     ):
         assert a.dtype == b.dtype and torch.equal(a.detach().cpu(), b.detach())
     _assert_metadata_of(got, ref, E)
+    assert got.metadata.rows_multiple == M  # every expert's rows: a multiple of the tile
     # the single-process reference of the EP decision: the same real pairs
     tok = torch.arange(T).repeat_interleave(K)
     plain = round_routing(tok, idx.reshape(-1), scores.reshape(-1), dense, num_experts=E, rounding=rnd)
@@ -192,3 +193,4 @@ def test_local_plan_clone_owns_the_rounded_metadata():
     pairs += [(copy.token_idx_R, got.token_idx_R), (copy.token_offsets, got.token_offsets)]
     for a, b in pairs:
         assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+    assert copy.metadata.rows_multiple == got.metadata.rows_multiple == 8

@@ -422,7 +422,8 @@ def round_local_triton(routing: TopKRouting, dense_TE: torch.Tensor, num_experts
     P = T * K + E * W
     tok_P, exp_P, score_P, *meta = _RoundedScores.apply(scores_TK, dense_TE, routed_ET, scan, prefix_EB, P)
     token_offsets = scan[: T + 1]
-    metadata = RoutingMetadata(*meta, token_offsets=token_offsets)
+    # every target is a multiple of the tile: the experts' GEMMs may take tiles that the rows fill exactly
+    metadata = RoutingMetadata(*meta, token_offsets=token_offsets, rows_multiple=tile)
     return FlatRouting(
         tok_P, exp_P, score_P.to(scores_TK.dtype), T, padded=True, token_offsets=token_offsets, metadata=metadata
     )
