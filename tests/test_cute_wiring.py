@@ -180,10 +180,10 @@ def test_tile_overrides_replace_one_gemms_config(cute, monkeypatch):
 
 def test_whole_tile_rows_take_a_128_row_dx_tile(cute):
     """Row counts in multiples of 128 (token rounding) fill 128-row tiles; the dx GEMM then takes one instead of
-    its 192-row tile (RoutingMetadata.rows_multiple -> backward_data -> _gemm(whole_tiles=True))."""
+    its 192-row tile (RoutingMetadata.rows_multiple -> backward_data -> _gemm(rows_multiple=...))."""
     ops, calls = cute
     A, B, out, cu = _operands()
-    for whole, tile_m in ((False, 192), (True, 128)):
-        ops._gemm("dx", 32, 16, A, B, out, cu_seqlens_m=cu, whole_tiles=whole)
+    for rows_multiple, tile_m in ((0, 192), (64, 192), (128, 128), (256, 128)):
+        ops._gemm("dx", 32, 16, A, B, out, cu_seqlens_m=cu, rows_multiple=rows_multiple)
         assert calls[-1][2]["config"].tile_m == tile_m
-    assert ops.heuristic_config("down", 32, 16, whole_tiles=True) == ops.heuristic_config("down", 32, 16)
+    assert ops.heuristic_config("down", 32, 16, rows_multiple=128) == ops.heuristic_config("down", 32, 16)

@@ -42,20 +42,20 @@ def heuristic_config(
     tiles: tuple = (),
     dynamic: bool = False,
     main_grad: str | None = None,
-    whole_tiles: bool = False,
+    rows_multiple: int = 0,
 ) -> GemmConfig:
     """``_tile_config``, or the override of ``tiles`` (``KernelOptions.tiles``: ((gemm, TileSpec), ...)); memoized
     (called at every launch; the launch cache keys on the returned object's id). ``dynamic``: with QuACK's
     dynamic persistent tile scheduler (CTAs take tiles from an atomic counter). ``main_grad``: "add" / "store"
     for a weight GEMM writing a caller's accumulator (fp32 ``main_grad``: added to, or stored into at an
-    iteration's first micro-batch). ``whole_tiles``: every expert's row count is a multiple of 128 (token
-    rounding's tile; ``RoutingMetadata.rows_multiple``)."""
+    iteration's first micro-batch). ``rows_multiple``: every expert's row count is a multiple of it (token
+    rounding's tile; ``RoutingMetadata.rows_multiple``), 0 if unknown."""
     override = dict(tiles).get(gemm)
-    config = _from_spec(override) if override is not None else _tile_config(gemm, F, D, main_grad, whole_tiles)
+    config = _from_spec(override) if override is not None else _tile_config(gemm, F, D, main_grad, rows_multiple)
     return dataclasses.replace(config, is_dynamic_persistent=True) if dynamic else config
 
 
-def _tile_config(gemm: str, F: int, D: int, main_grad: str | None = None, whole_tiles: bool = False) -> GemmConfig:
+def _tile_config(gemm: str, F: int, D: int, main_grad: str | None = None, rows_multiple: int = 0) -> GemmConfig:
     """The tile config of GEMM ``gemm`` (one of GEMMS) at expert size F (n) and hidden size D (d).
 
     Each rule cites the measured cost relative to the best config at the three measured shapes
@@ -75,10 +75,11 @@ def _tile_config(gemm: str, F: int, D: int, main_grad: str | None = None, whole_
         return _config("C", 128, 256) if F >= 512 else _config("P", 128, 128)
     if gemm == "dx":  # N = D, contiguous dH (W1 via concat_layout): P192x128c12 1 / 1 / 1.172 in QuACK's autotuning;
         # at D = 4096 the autotuner's pick C256x128c12 is slower in ours (A/B, same run: fwd+bwd 536.8 vs 551.0 TF)
-        if whole_tiles:  # row counts in multiples of 128 fill 128-row tiles (192-row ones waste a third of a tile
-            # per expert at 512 rows): dx of the rounded layer at (T, D, F, E, K) = (16384, 2048, 512, 256, 8),
-            # H100 (torch profiler, medians of 10 calls): P128x192c21 0.819 ms, P192x128c12 0.862, C128x256c21
-            # 0.847, C128x192c21 0.851, C256x128c12 0.871, P128x128c21 0.884
+        if rows_multiple and rows_multiple % 128 == 0:
+            # Row counts in multiples of 128 fill 128-row tiles (192-row ones waste a third of a tile per expert at
+            # 512 rows): dx of the rounded layer at (T, D, F, E, K) = (16384, 2048, 512, 256, 8), H100 (torch
+            # profiler, medians of 10 calls): P128x192c21 0.819 ms, P192x128c12 0.862, C128x256c21 0.847,
+            # C128x192c21 0.851, C256x128c12 0.871, P128x128c21 0.884
             return _config("P", 128, 192)
         return _config("P", 192, 128, 1, 2)
     if gemm == "dw1":  # M = D, N = 2F, varlen-K gathered: C128x256 1 / 1.042 / 1.003; C256x192 1.108 / 1 / 1.037

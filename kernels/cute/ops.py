@@ -108,13 +108,13 @@ def _semaphore(device):
 
 
 def _heuristic_launch(
-    gemm: str, F: int, D: int, tiles: tuple, device, main_grad: str | None = None, whole_tiles: bool = False
+    gemm: str, F: int, D: int, tiles: tuple, device, main_grad: str | None = None, rows_multiple: int = 0
 ):
     """(tile config, tile counter) of a GEMM launched now under the heuristic tuning: the counter (zeroed) when
     the launch uses the dynamic tile scheduler (``_dynamic``), else None. ``main_grad``: "add" / "store" for a
-    weight GEMM writing into a caller's accumulator; ``whole_tiles``: expert row counts in multiples of 128."""
+    weight GEMM writing into a caller's accumulator; ``rows_multiple``: ``RoutingMetadata.rows_multiple``."""
     dynamic = _dynamic()
-    config = heuristic_config(gemm, F, D, tiles, dynamic, main_grad, whole_tiles)
+    config = heuristic_config(gemm, F, D, tiles, dynamic, main_grad, rows_multiple)
     return config, (_semaphore(device) if dynamic else None)
 
 
@@ -132,14 +132,14 @@ def _gemm(
     concat_layout=None,
     add_to_output: bool = False,
     main_grad: str | None = None,
-    whole_tiles: bool = False,
+    rows_multiple: int = 0,
 ):
     """out = A @ B, or out += A @ B with ``add_to_output`` (each element is added once, by the one tile that owns
     it, so the result is deterministic; not with varlen-M). Under the heuristic tuning the epilogue loads out as
     its C operand (``quack_adapter.gemm``); the autotune and default tunings take QuACK's ``gemm_add_inplace``."""
     options = kernel_options()
     if options.tuning == "heuristic":
-        config, sem = _heuristic_launch(gemm, F, D, options.tiles, A.device, main_grad, whole_tiles)
+        config, sem = _heuristic_launch(gemm, F, D, options.tiles, A.device, main_grad, rows_multiple)
         args = (A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx, concat_layout, add_to_output)
         quack_adapter.gemm(config, sem, *args)
     else:
@@ -282,8 +282,17 @@ def backward_data(
     )
     dscores_R = ds_rows_R.index_select(0, meta.s_reverse_scatter_idx)  # rows -> flat pair order (int32 index)
     dxg_RD = torch.empty(R, D, dtype=dt, device=dev)
-    whole = meta.rows_multiple > 0 and meta.rows_multiple % 128 == 0
-    _gemm("dx", F, D, dH_RG, w1_EGD, dxg_RD, cu_seqlens_m=meta.expert_offsets, concat_layout=("B",), whole_tiles=whole)
+    _gemm(
+        "dx",
+        F,
+        D,
+        dH_RG,
+        w1_EGD,
+        dxg_RD,
+        cu_seqlens_m=meta.expert_offsets,
+        concat_layout=("B",),
+        rows_multiple=meta.rows_multiple,
+    )
     dx_TD = gather_sum(dxg_RD, meta, None, pairs_per_token=_pairs_per_token(meta))
     return dx_TD, dscores_R, (aprime_RF, dH_RG)
 
