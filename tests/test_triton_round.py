@@ -1,8 +1,9 @@
 """Token rounding without expert parallelism through its Triton kernels (token_dispatch/triton_round.py) against
 the PyTorch reference (``round_local_torch``) and the single-process ``round_routing``: pairs, order, scores and
 the gradients to the routing scores and dense probabilities bitwise equal, on CPU under TRITON_INTERPRET=1
-(compiled on a GPU when present). Ties between scores (the cut falls inside runs of equal keys), experts that
-drop, add or keep, rows longer than one register block (the chunked path), each rounding mode."""
+(compiled on a GPU when present). Ties between scores (the cut falls inside runs of equal keys), flat and
+underflowing probabilities, experts that drop, add or keep, rows longer than one register block or one step of
+the cut kernel's passes, each rounding mode."""
 
 import os
 
@@ -61,11 +62,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["nearest", "up", "down"])
-@pytest.mark.parametrize("T,E,K,M,seed,ties", CASES)
-def test_round_local_kernels_equal_the_reference(mode, T, E, K, M, seed, ties):
-    scores, idx, dense = _routing(T, E, K, seed, ties)
-    rnd = TokenRounding(mode, M)
+def _assert_equals_reference(scores, idx, dense, E, M, mode, seed=0):
+    """Pairs, order, scores, metadata and both gradients of the kernels equal the reference's (bitwise)."""
+    (T, K), rnd = idx.shape, TokenRounding(mode, M)
     s_k, d_k = scores.to(DEVICE).requires_grad_(), dense.to(DEVICE).requires_grad_()
     got = _kernels().round_local_triton(TopKRouting(s_k, idx.to(DEVICE)), d_k, E, mode, M)
     s_r, d_r = scores.clone().requires_grad_(), dense.clone().requires_grad_()
@@ -93,10 +92,33 @@ def test_round_local_kernels_equal_the_reference(mode, T, E, K, M, seed, ties):
         assert torch.equal(a.cpu(), b)
 
 
-def test_round_local_kernels_bf16_scores_and_chunked_rows(monkeypatch):
-    """bf16 routing scores (keys compare as fp32, scores come back in bf16); rows re-read per pass."""
+@pytest.mark.parametrize("mode", ["nearest", "up", "down"])
+@pytest.mark.parametrize("T,E,K,M,seed,ties", CASES)
+def test_round_local_kernels_equal_the_reference(mode, T, E, K, M, seed, ties):
+    scores, idx, dense = _routing(T, E, K, seed, ties)
+    _assert_equals_reference(scores, idx, dense, E, M, mode, seed)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "down"])
+@pytest.mark.parametrize("scale", [0.0, 60.0])
+def test_round_local_kernels_flat_and_underflowing_scores(mode, scale):
+    """Every key of a side equal (all logits 0: the search has no bit to try, every key is a tie) and dense
+    probabilities that underflow to 0 for most pairs (huge logits: long runs of equal keys at the cut)."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(90, 12, generator=g) * scale
+    dense = torch.softmax(logits, -1)
+    idx = torch.topk(logits, 3, dim=1).indices
+    scores = torch.softmax(logits.gather(1, idx), -1)
+    _assert_equals_reference(scores, idx, dense, 12, 8, mode)
+
+
+@pytest.mark.parametrize("max_block,stream_block", [(32, 32), (4096, 32)])
+def test_round_local_kernels_bf16_scores_and_chunked_rows(monkeypatch, max_block, stream_block):
+    """bf16 routing scores (keys compare as fp32, scores come back in bf16); rows whose search re-reads them per
+    pass (max_block 32) or holds them in registers, with the other passes in steps of 32 tokens."""
     tr = _kernels()
-    monkeypatch.setattr(tr, "_MAX_BLOCK", 32)
+    monkeypatch.setattr(tr, "_MAX_BLOCK", max_block)
+    monkeypatch.setattr(tr, "_STREAM_BLOCK", stream_block)
     scores, idx, dense = _routing(100, 6, 2, 5, True, dtype=torch.bfloat16)
     got = tr.round_local_triton(TopKRouting(scores.to(DEVICE), idx.to(DEVICE)), dense.to(DEVICE), 6, "nearest", 8)
     ref = round_local_torch(TopKRouting(scores, idx), dense, num_experts=6, rounding=TokenRounding("nearest", 8))
@@ -107,7 +129,7 @@ def test_round_local_kernels_bf16_scores_and_chunked_rows(monkeypatch):
         (got.scores_R, ref.scores_R),
     ):
         assert torch.equal(a.cpu(), b)
-    _assert_metadata_of(got, ref, 6)  # the block prefixes cross chunks of 32 tokens
+    _assert_metadata_of(got, ref, 6)  # the block prefixes cross steps of 32 tokens
 
 
 def test_top_n_rows_reference_selects_the_largest_keys_lowest_tokens_first():

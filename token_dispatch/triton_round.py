@@ -1,10 +1,10 @@
-"""Token rounding without expert parallelism in three Triton launches and a scan, no sort (``rounding.round_local``
+"""Token rounding without expert parallelism in four Triton launches and a scan, no sort (``rounding.round_local``
 on CUDA; ``rounding.round_local_torch`` is the reference and the CPU path, with the same pairs, order and scores).
 The rounded routing comes with the experts' metadata of its pairs (``FlatRouting.metadata``), so the experts skip
 their own metadata kernels.
 
 Shape legend: T tokens, K experts per token, E experts, W = min(tile - 1, T) the most pairs an expert adds,
-P = T*K + E*W the padded pair count (``rounded_pairs_bound``), B = ceil(T / 16) blocks of the placing kernel.
+P = T*K + E*W the padded pair count (``rounded_pairs_bound``), B = ceil(T / 8) blocks of the placing kernel.
 
 1. ``_keys_kernel`` (grid: token blocks x expert blocks): one int32 key per (expert, token), [E, T]: a routed
    pair's key orders like the reverse of its routing score (the weakest pair is the largest key), a non-routed
@@ -13,22 +13,25 @@ P = T*K + E*W the padded pair count (``rounded_pairs_bound``), B = ceil(T / 16) 
 2. ``_select_kernel`` (grid: experts): the expert's routed count f_e (its row of flags), its target t_e
    (``TokenRounding``), n = |t_e - f_e| and the n largest keys among its routed tokens (drop, t_e < f_e) or its
    non-routed ones (add), ties to the lower token: the cut is (thr, cut) = key and token of the n-th, found bit by
-   bit in registers over the keys as uint32 (a row of at most ``_MAX_BLOCK`` tokens is loaded once; longer rows
-   are re-read per pass). The cut pairs' flags change (0 for a dropped pair, -1 for an added one) and so do their
-   tokens' pair counts (integer atomics). An expert with nothing to cut does not read its keys. It writes t_e
-   into the scan buffer and, per block of 16 tokens, its pairs before the block ([E, B]).
+   bit over the keys as uint32 (held in registers for rows of up to ``_MAX_BLOCK`` tokens, else re-read per pass),
+   from the bits that the side's largest and smallest keys share, and stopping at the first threshold with
+   exactly n keys at or above it. The cut pairs' flags change (0 for a dropped pair, -1 for an added one) and so
+   do their tokens' pair counts (integer atomics). An expert with nothing to cut does not read its keys. It
+   writes t_e into the scan buffer and, per block of 8 tokens, its pairs before the block ([E, B]).
 3. One in-place scan (``cumsum_``) of the buffer [0, the tokens' pair counts | 0, the experts' row counts] gives
    every token's offset (which the rounded ``FlatRouting`` carries) and every expert's, shifted by the total.
 4. ``_place_kernel`` (grid: token blocks): each token's pairs at its offset in ascending expert order, the order
-   of the reference's (token, expert) sort: token, expert, score (a kept pair's routing score, read through the
-   slot in its flag; an added pair's dense probability) and where the score came from; and each pair's row among
-   its expert's rows (ascending token order: the metadata ``compute_metadata`` would build). Its programs then
-   fill the rest of the P pairs with padding (token T, expert E). The backward (``_decode_backward_kernel``)
-   writes each gradient to the one score it came from (every pair is unique: plain stores, deterministic).
+   of the reference's (token, expert) sort: token, expert and where its score comes from (a kept pair's top-K
+   slot, read from its flag; an added pair's dense index); and each pair's row among its expert's rows (ascending
+   token order: the metadata ``compute_metadata`` would build). Its programs then fill the rest of the P pairs
+   with padding (token T, expert E).
+5. ``_scores_kernel`` (grid: pair blocks): each pair's score from where it comes from: a kept pair's routing
+   score, an added pair's dense probability. The backward (``_decode_backward_kernel``) writes each gradient to
+   the one score it came from (every pair is unique: plain stores, deterministic).
 
-H100, (T, E, K) = (16384, 256, 8), random routing, GPU time of the forward before the metadata was placed here:
-0.11 ms (cut 0.050, placing 0.036, keys 0.024, scan 0.003); a sort of the kept and added pairs' keys in place of
-the scan and the placing kernel took 0.19 ms (docs/PERF.md, "Token rounding in the layer").
+H100, (T, E, K) = (16384, 256, 8), random routing, GPU time of the forward: 0.083 ms (cut 0.033, keys 0.024,
+placing 0.021, scan 0.004, scores 0.003); a sort of the kept and added pairs' keys in place of the scan and the
+placing kernel took 0.19 ms in an earlier version (docs/PERF.md, "Token rounding in the layer").
 """
 
 from __future__ import annotations
@@ -39,15 +42,22 @@ import triton.language as tl
 
 from ..kernels.routing import FlatRouting, RoutingMetadata, TopKRouting
 
-_MAX_BLOCK = 16384
+_MAX_BLOCK = 32768  # the longest row that _select_kernel's search holds in registers
+# tokens per step of _select_kernel's other passes over its row; H100 at (16384, 256): 1024 0.039 ms, 2048 0.034,
+# 4096 0.033, all 16384 at once 0.043-0.047 (more registers)
+_STREAM_BLOCK = 4096
 # _keys_kernel's program: 32 experts x 128 tokens, tokens fastest, 4 warps. H100, _keys_kernel alone at (T, E) =
 # (16384, 256) / (16384, 128): 0.024 / 0.013 ms; tokens x experts tiles (experts fastest, the dense read's order)
-# took 0.054 / 0.026 ms; 16 x 256 tiles 0.029 / 0.015, 64 x 64 0.052 / 0.027, 32 x 128 on 8 warps 0.110 / 0.055.
-_KEYS_TOKENS, _KEYS_EXPERTS = 128, 32
+# took 0.054 / 0.026 ms; 16 x 256 tiles 0.029 / 0.015, 64 x 64 0.052 / 0.027, 32 x 128 on 8 warps 0.110 / 0.055,
+# 32 x 256 on 8 warps 0.026 / 0.013, 32 x 64 on 2 warps 0.024 / 0.011.
+_KEYS_TOKENS, _KEYS_EXPERTS, _KEYS_WARPS = 128, 32, 4
 _MODES = {"nearest": 0, "up": 1, "down": 2}
-# _place_kernel's program: 16 tokens x 128 experts per step. H100 at (T, E) = (16384, 256), with a counting kernel
-# of the same tiles: 0.039 ms; 32 x 64: 0.046, 8 x 256: 0.042, 16 x 64: 0.044, 32 x 32: 0.049, 64 x 16: 0.057.
-_PLACE_TOKENS, _PLACE_EXPERTS = 16, 128
+# _place_kernel's program: 8 tokens x 32 experts per step on one warp (tokens x experts, warps). H100, this kernel
+# alone at (T, E) = (16384, 256) / (16384, 128) / (8192, 256) / (32768, 256): 0.021 / 0.013 / 0.011 / 0.037 ms;
+# 16 x 128 x 4 0.022 / 0.014 / 0.014 / 0.045 (0.040 / 0.022 / 0.021 / 0.082 when it also gathered the scores: 255
+# registers), 16 x 32 x 1 0.022 / 0.013 / 0.016 / 0.033, 8 x 64 x 2 0.024 / 0.014 / 0.012 / 0.040, 8 x 128 x 4
+# 0.022 / 0.014 / 0.013 / 0.038, 16 x 64 x 2 0.027 / 0.016 / 0.013 / 0.044.
+_PLACE_TOKENS, _PLACE_EXPERTS, _PLACE_WARPS = 8, 32, 1
 
 
 @triton.jit
@@ -106,37 +116,52 @@ def _row(key_ptr, routed_ptr, want, t, T):
 
 
 @triton.jit
-def _chunk(keys, key_ptr, routed_ptr, want, t, T, NUM_CHUNKS: tl.constexpr):
-    if NUM_CHUNKS == 1:
-        return keys
-    return _row(key_ptr, routed_ptr, want, t, T)
-
-
-@triton.jit
-def _count(
-    keys, key_ptr, routed_ptr, want, T, cand, cmp: tl.constexpr, cut, BT: tl.constexpr, NUM_CHUNKS: tl.constexpr
-):
-    """Keys >= cand (cmp 0), > cand (cmp 1), or == cand at tokens < cut (cmp 2)."""
+def _count(keys, key_ptr, routed_ptr, want, T, cand, cmp: tl.constexpr, cut, SB: tl.constexpr, IN_REGS: tl.constexpr):
+    """Keys >= cand (cmp 0), > cand (cmp 1), or == cand at tokens < cut (cmp 2): over the row in registers
+    (IN_REGS, the search's own passes) or re-read SB tokens at a time."""
     total = tl.zeros([], dtype=tl.int32)
-    for c in range(NUM_CHUNKS):
-        t = c * BT + tl.arange(0, BT)
-        k = _chunk(keys, key_ptr, routed_ptr, want, t, T, NUM_CHUNKS)
-        if cmp == 0:
-            hit = k >= cand
-        elif cmp == 1:
-            hit = k > cand
-        else:
-            hit = (k == cand) & (t < cut)
-        total += tl.sum(hit.to(tl.int32), axis=0)
+    if IN_REGS:
+        total += tl.sum((keys >= cand).to(tl.int32), axis=0)  # the search: cmp 0 only
+    else:
+        for s0 in range(0, T, SB):
+            t = s0 + tl.arange(0, SB)
+            k = _row(key_ptr, routed_ptr, want, t, T)
+            if cmp == 0:
+                hit = k >= cand
+            elif cmp == 1:
+                hit = k > cand
+            else:
+                hit = (k == cand) & (t < cut)
+            total += tl.sum(hit.to(tl.int32), axis=0)
     return total
 
 
 @triton.jit
-def _block_prefixes(live, c, carry, prefix_ptr, NB, BT: tl.constexpr, PB: tl.constexpr):
-    """Store the expert's pairs before each block of PB tokens of chunk c (carry: before the chunk) into its row
-    of prefix [E, NB]; returns the carry past the chunk. Sums per block, then a scan over the chunk's blocks."""
-    per_block = tl.sum(tl.reshape(live.to(tl.int32), [BT // PB, PB]), axis=1)
-    b = c * (BT // PB) + tl.arange(0, BT // PB)
+def _extremes(keys, key_ptr, routed_ptr, want, T, n, SB: tl.constexpr, IN_REGS: tl.constexpr):
+    """Bounds on the n largest keys of the cut's side for the search's fixed bits: the largest key, and the
+    smallest nonzero one (0 if fewer than n keys are nonzero: a zero key reads like the tokens off the side)."""
+    if IN_REGS:
+        hi = tl.max(keys, axis=0)
+        lo = tl.min(tl.where(keys != 0, keys, 4294967295), axis=0)
+        nonzero = tl.sum((keys != 0).to(tl.int32), axis=0)
+    else:
+        hi = tl.zeros([], dtype=tl.uint32)
+        lo = tl.full([], 4294967295, tl.uint32)
+        nonzero = tl.zeros([], dtype=tl.int32)
+        for s0 in range(0, T, SB):
+            k = _row(key_ptr, routed_ptr, want, s0 + tl.arange(0, SB), T)
+            hi = tl.maximum(hi, tl.max(k, axis=0))
+            lo = tl.minimum(lo, tl.min(tl.where(k != 0, k, 4294967295), axis=0))
+            nonzero += tl.sum((k != 0).to(tl.int32), axis=0)
+    return hi, tl.where(nonzero >= n, lo, 0).to(tl.uint32)
+
+
+@triton.jit
+def _block_prefixes(live, s0, carry, prefix_ptr, NB, SB: tl.constexpr, PB: tl.constexpr):
+    """Store the expert's pairs before each block of PB tokens of the SB tokens from s0 (carry: before s0) into
+    its row of prefix [E, NB]; returns the carry past them. Sums per block, then a scan over the blocks."""
+    per_block = tl.sum(tl.reshape(live.to(tl.int32), [SB // PB, PB]), axis=1)
+    b = s0 // PB + tl.arange(0, SB // PB)
     tl.store(prefix_ptr + b, carry + tl.cumsum(per_block, axis=0) - per_block, mask=b < NB)
     return carry + tl.sum(per_block, axis=0)
 
@@ -152,18 +177,23 @@ def _select_kernel(
     TILE: tl.constexpr,
     T_BITS: tl.constexpr,
     BT: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr,
+    IN_REGS: tl.constexpr,
+    SB: tl.constexpr,
     PB: tl.constexpr,
 ):
+    # Only the search keeps the row in registers (IN_REGS: T <= BT; else its passes re-read it, SB tokens at a
+    # time): the other passes stream SB tokens at a time, which leaves the registers to the keys, so that rows
+    # of up to 32768 tokens fit on 16 warps. H100, this kernel alone at (T, E) = (16384, 256) / (16384, 128) /
+    # (8192, 256) / (32768, 256): 0.033 / 0.022 / 0.017 / 0.080 ms; with [T] vectors in every pass (rows up to
+    # 16384 in registers, longer ones re-read per pass): 0.032 / 0.019 / 0.016 / 0.200 ms.
     e = tl.program_id(0)
     row_key = key_ptr + e.to(tl.int64) * T
     row_routed = routed_ptr + e.to(tl.int64) * T
     NB = tl.cdiv(T, PB)
     row_prefix = prefix_ptr + e.to(tl.int64) * NB
-    offs = tl.arange(0, BT)
     f = tl.zeros([], dtype=tl.int32)  # the expert's routed count
-    for c in range(NUM_CHUNKS):
-        t = c * BT + offs
+    for s0 in range(0, T, SB):
+        t = s0 + tl.arange(0, SB)
         f += tl.sum((tl.load(row_routed + t, mask=t < T, other=0) > 0).to(tl.int32), axis=0)
     lo = (f // TILE) * TILE
     if MODE == 2:
@@ -180,48 +210,62 @@ def _select_kernel(
     n = tl.abs(delta)
     want = delta < 0  # drop: among the routed tokens; add: among the others
     if n > 0:  # else nothing to cut: the keys are not even read
-        keys = _row(row_key, row_routed, want, offs, T)
         cut = tl.zeros([], dtype=tl.int32) - 1
-        thr = tl.zeros([], dtype=tl.uint32)
+        keys = tl.zeros([], dtype=tl.uint32)  # unused unless in registers
+        if IN_REGS:
+            keys = _row(row_key, row_routed, want, tl.arange(0, BT), T)
+        # The search fixes thr bit by bit from the top: thr | bit stays if at least n keys are >= it. Bits where
+        # the side's largest and smallest keys agree are fixed from those two (n <= the side's size), and the
+        # search stops at the first candidate with exactly n keys at or above it: those are the n largest, with
+        # no tie across the cut (H100 (16384, 256): ~16 passes instead of 32 + 2).
+        hi, lo_key = _extremes(keys, row_key, row_routed, want, T, n, SB, IN_REGS)
         bit = tl.full([], 2147483648, tl.uint32)
-        for _ in range(32):
-            cand = thr | bit
-            if _count(keys, row_key, row_routed, want, T, cand, 0, 0, BT, NUM_CHUNKS) >= n:
-                thr = cand
+        while (bit != 0) & ((bit & (hi ^ lo_key)) == 0):
             bit = bit >> 1
-        if _count(keys, row_key, row_routed, want, T, thr, 0, 0, BT, NUM_CHUNKS) == n:  # every tie taken: the last
-            for c in range(NUM_CHUNKS):
-                t = c * BT + offs
-                k = _chunk(keys, row_key, row_routed, want, t, T, NUM_CHUNKS)
+        thr = tl.where(bit == 0, hi, hi & ~(bit | (bit - 1)))  # the common prefix (bit 0: every key is hi)
+        exact = n < 0
+        while bit != 0:
+            cand = thr | bit
+            above = _count(keys, row_key, row_routed, want, T, cand, 0, 0, SB, IN_REGS)
+            if above >= n:
+                thr = cand
+            exact = above == n
+            bit = tl.where(exact, 0, bit >> 1).to(tl.uint32)
+        if exact:  # the keys >= thr are the cut: the last token of any key
+            cut = tl.zeros([], dtype=tl.int32) + T
+        elif _count(keys, row_key, row_routed, want, T, thr, 0, 0, SB, False) == n:  # every tie taken
+            for s0 in range(0, T, SB):
+                t = s0 + tl.arange(0, SB)
+                k = _row(row_key, row_routed, want, t, T)
                 cut = tl.maximum(cut, tl.max(tl.where(k == thr, t, -1), axis=0))
         else:  # ties straddle the cut: the need-th tie in token order
-            need = n - _count(keys, row_key, row_routed, want, T, thr, 1, 0, BT, NUM_CHUNKS)
+            need = n - _count(keys, row_key, row_routed, want, T, thr, 1, 0, SB, False)
             p = tl.zeros([], dtype=tl.int32)
             for i in range(T_BITS):
                 cand_t = p | (1 << (T_BITS - 1 - i))
-                if _count(keys, row_key, row_routed, want, T, thr, 2, cand_t, BT, NUM_CHUNKS) < need:
+                if _count(keys, row_key, row_routed, want, T, thr, 2, cand_t, SB, False) < need:
                     p = cand_t
             cut = p
-        # the cut pairs' new status in the routed flags (0 for a dropped pair, -1 for an added one) and their
-        # tokens' pair counts (integer atomics: exact in any order)
+        # The cut pairs' new status in the routed flags (0 for a dropped pair, -1 for an added one) and their
+        # tokens' pair counts (integer atomics: exact in any order); every block's pairs before it.
         status = tl.where(delta > 0, -1, 0).to(tl.int8)
         step = tl.where(delta > 0, 1, -1)
         carry = tl.zeros([], dtype=tl.int32)
-        for c in range(NUM_CHUNKS):
-            t = c * BT + offs
-            k = _chunk(keys, row_key, row_routed, want, t, T, NUM_CHUNKS)
-            sel = ((k > thr) | ((k == thr) & (t <= cut))) & (t < T)
-            # a cut pair flips: a dropped one was routed, an added one was not (read before the flag is stored)
-            live = ((tl.load(row_routed + t, mask=t < T, other=0) > 0) != sel) & (t < T)
-            tl.store(row_routed + t, status + tl.zeros([BT], dtype=tl.int8), mask=sel)
-            tl.atomic_add(offsets_ptr + 1 + t, step + tl.zeros([BT], dtype=tl.int32), mask=sel, sem="relaxed")
-            carry = _block_prefixes(live, c, carry, row_prefix, NB, BT, PB)
-    else:  # the row as top-K routed it (a second read of its flags, for the rare expert with nothing to cut)
+        for s0 in range(0, T, SB):
+            t = s0 + tl.arange(0, SB)
+            routed = tl.load(row_routed + t, mask=t < T, other=0) > 0
+            k = (tl.load(row_key + t, mask=t < T, other=0) ^ -2147483648).to(tl.uint32, bitcast=True)
+            sel = (routed == want) & ((k > thr) | ((k == thr) & (t <= cut))) & (t < T)
+            live = (routed != sel) & (t < T)  # a cut pair flips: a dropped one was routed, an added one was not
+            tl.store(row_routed + t, status + tl.zeros([SB], dtype=tl.int8), mask=sel)
+            tl.atomic_add(offsets_ptr + 1 + t, step + tl.zeros([SB], dtype=tl.int32), mask=sel, sem="relaxed")
+            carry = _block_prefixes(live, s0, carry, row_prefix, NB, SB, PB)
+    else:  # the row as top-K routed it: its blocks' pairs only
         carry = tl.zeros([], dtype=tl.int32)
-        for c in range(NUM_CHUNKS):
-            t = c * BT + offs
+        for s0 in range(0, T, SB):
+            t = s0 + tl.arange(0, SB)
             live = tl.load(row_routed + t, mask=t < T, other=0) > 0
-            carry = _block_prefixes(live, c, carry, row_prefix, NB, BT, PB)
+            carry = _block_prefixes(live, s0, carry, row_prefix, NB, SB, PB)
 
 
 @triton.jit
@@ -229,11 +273,8 @@ def _place_kernel(
     routed_ptr,
     scan_ptr,
     prefix_ptr,
-    scores_ptr,
-    dense_ptr,
     tok_ptr,
     exp_ptr,
-    out_ptr,
     order_ptr,
     expert_offsets_ptr,
     x_gather_ptr,
@@ -247,13 +288,14 @@ def _place_kernel(
     BE: tl.constexpr,
     PAD_BLOCK: tl.constexpr,
 ):
-    """Each token's pairs at its offset, in ascending expert order: a kept pair (flag 1 + its top-K slot) with its
-    routing score (order: the slot's flat index), an added one (flag -1) with its dense probability (order:
-    T*K + its dense index); and each pair's row among its expert's rows (the expert's offset + its pairs before
-    this block of BT tokens + those before the token inside the block), which gives the experts' metadata.
+    """Each token's pairs at its offset, in ascending expert order, with where each one's score comes from (order):
+    a kept pair (flag 1 + its top-K slot) its routing score (the slot's flat index), an added one (flag -1) its dense
+    probability (T*K + its dense index); and each pair's row among its expert's rows (the expert's offset + its pairs
+    before this block of BT tokens + those before the token inside the block), which gives the experts' metadata.
     Positions and the scan are int32 (2P < 2^31), addresses int64. The programs also fill the pairs past the last
-    token's with padding (token T, expert E, score 0, order -1; row = pair, gathering token T - 1), PAD_BLOCK at a
-    time each; program 0 writes the experts' offsets."""
+    token's with padding (token T, expert E, order -1: score 0; row = pair, gathering token T - 1), PAD_BLOCK at a
+    time each; program 0 writes the experts' offsets. (The scores are read by ``_scores_kernel``: gathering them
+    here took the kernel to 255 registers and spills, 0.040 vs 0.021 ms at (16384, 256).)"""
     b = tl.program_id(0)
     t = b * BT + tl.arange(0, BT)
     t_ok = t < T
@@ -267,7 +309,6 @@ def _place_kernel(
         r = tl.load(routed_ptr + e[:, None].to(tl.int64) * T + t64[None, :], mask=ok, other=0).to(tl.int32)
         live = r != 0
         kept = r > 0
-        added = r < 0
         n = live.to(tl.int32)
         at = pos[None, :] + tl.cumsum(n, axis=0) - 1
         base = tl.load(scan_ptr + T + 1 + e, mask=e_ok, other=0) - total
@@ -276,13 +317,10 @@ def _place_kernel(
         row = base[:, None] + tl.cumsum(n, axis=1) - n
         slot = t64[None, :] * K + (r - 1)
         dense_at = t64[None, :] * E + e[:, None]
-        s = tl.load(scores_ptr + slot, mask=kept, other=0.0).to(tl.float32)
-        s = tl.where(added, tl.load(dense_ptr + dense_at, mask=added, other=0.0).to(tl.float32), s)
         at64 = at.to(tl.int64)
         tl.store(tok_ptr + at64, t64[None, :] + tl.zeros([BE, BT], dtype=tl.int64), mask=live)
         tl.store(exp_ptr + at64, e[:, None].to(tl.int64) + tl.zeros([BE, BT], dtype=tl.int64), mask=live)
-        tl.store(out_ptr + at64, s.to(out_ptr.dtype.element_ty), mask=live)
-        tl.store(order_ptr + at64, tl.where(kept, slot, T * K + dense_at), mask=live)
+        tl.store(order_ptr + at64, tl.where(kept, slot, T * K + dense_at).to(order_ptr.dtype.element_ty), mask=live)
         row64 = row.to(tl.int64)
         tl.store(x_gather_ptr + row64, t[None, :] + tl.zeros([BE, BT], dtype=tl.int32), mask=live)
         tl.store(s_scatter_ptr + row64, at, mask=live)
@@ -295,8 +333,7 @@ def _place_kernel(
         pad = i < P
         tl.store(tok_ptr + i, zero + T, mask=pad)
         tl.store(exp_ptr + i, zero + E, mask=pad)
-        tl.store(out_ptr + i, zero.to(out_ptr.dtype.element_ty), mask=pad)
-        tl.store(order_ptr + i, zero - 1, mask=pad)
+        tl.store(order_ptr + i, (zero - 1).to(order_ptr.dtype.element_ty), mask=pad)
         tl.store(x_gather_ptr + i, (zero + T - 1).to(tl.int32), mask=pad)
         tl.store(s_scatter_ptr + i, i, mask=pad)
         tl.store(s_reverse_ptr + i, i, mask=pad)
@@ -308,10 +345,23 @@ def _place_kernel(
 
 
 @triton.jit
+def _scores_kernel(order_ptr, scores_ptr, dense_ptr, out_ptr, P, TK, BLOCK: tl.constexpr):
+    """Each pair's score from where its order says it came from (padding: 0)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < P
+    o = tl.load(order_ptr + i, mask=ok, other=-1).to(tl.int64)
+    kept = (o >= 0) & (o < TK)
+    added = o >= TK
+    s = tl.load(scores_ptr + o, mask=kept, other=0.0).to(tl.float32)
+    s = tl.where(added, tl.load(dense_ptr + (o - TK), mask=added, other=0.0).to(tl.float32), s)
+    tl.store(out_ptr + i, s.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _decode_backward_kernel(grad_ptr, order_ptr, dscores_ptr, ddense_ptr, P, TK, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < P
-    o = tl.load(order_ptr + i, mask=ok, other=-1)
+    o = tl.load(order_ptr + i, mask=ok, other=-1).to(tl.int64)
     g = tl.load(grad_ptr + i, mask=ok, other=0.0)
     kept = (o >= 0) & (o < TK)
     added = o >= TK
@@ -329,7 +379,8 @@ class _RoundedScores(torch.autograd.Function):
         device = scores_TK.device
         tok = torch.empty(P, dtype=torch.int64, device=device)
         exp = torch.empty_like(tok)
-        order = torch.empty_like(tok)
+        # int32 where every order fits (T * (K + E) < 2^31): a narrower store in the placing kernel
+        order = torch.empty(P, dtype=torch.int32 if T * (K + E) < 2**31 else torch.int64, device=device)
         out = torch.empty(P, dtype=torch.float32, device=device)  # cast by torch (round to nearest)
         expert_offsets = torch.empty(E + 1, dtype=torch.int32, device=device)
         x_gather = torch.empty(P, dtype=torch.int32, device=device)
@@ -340,11 +391,8 @@ class _RoundedScores(torch.autograd.Function):
             routed_ET,
             scan,
             prefix,
-            scores_TK,
-            dense_TE,
             tok,
             exp,
-            out,
             order,
             expert_offsets,
             x_gather,
@@ -357,7 +405,9 @@ class _RoundedScores(torch.autograd.Function):
             BT=_PLACE_TOKENS,
             BE=be,
             PAD_BLOCK=64,
+            num_warps=_PLACE_WARPS,
         )
+        _scores_kernel[(triton.cdiv(P, 1024),)](order, scores_TK, dense_TE, out, P, T * K, BLOCK=1024)
         ctx.set_materialize_grads(False)  # no zero gradients for the index outputs
         ctx.save_for_backward(order)
         ctx.shapes = (scores_TK.shape, scores_TK.dtype, dense_TE.shape, dense_TE.dtype)
@@ -397,13 +447,9 @@ def round_local_triton(routing: TopKRouting, dense_TE: torch.Tensor, num_experts
     BE = min(triton.next_power_of_2(E), _KEYS_EXPERTS)
     BT = _KEYS_TOKENS * _KEYS_EXPERTS // BE
     _keys_kernel[(triton.cdiv(T, BT), triton.cdiv(E, BE))](
-        idx_TK, scores_TK, dense_TE, key_ET, routed_ET, scan, T, E, K=K, BT=BT, BE=BE
+        idx_TK, scores_TK, dense_TE, key_ET, routed_ET, scan, T, E, K=K, BT=BT, BE=BE, num_warps=_KEYS_WARPS
     )
-    block = max(min(triton.next_power_of_2(T), _MAX_BLOCK), _PLACE_TOKENS)
-    # Warps per expert: H100, _select_kernel alone at (T, E) = (8192, 256) / (16384, 256) / (16384, 128), before it
-    # counted its row and the tokens' pairs: 4 warps 0.021 / 0.043 / 0.026 ms, 8 warps 0.027 / 0.045 / 0.023, 16
-    # warps 0.029 / 0.045 / 0.023 (int64 keys took 0.027-0.036 / 0.057-0.065 / 0.029-0.036). With the counting, on
-    # the warps chosen here: 0.024 / 0.050 / 0.025.
+    block = max(triton.next_power_of_2(T), _PLACE_TOKENS)
     _select_kernel[(E,)](
         key_ET,
         routed_ET,
@@ -413,10 +459,11 @@ def round_local_triton(routing: TopKRouting, dense_TE: torch.Tensor, num_experts
         MODE=_MODES[mode],
         TILE=tile,
         T_BITS=max(int(T - 1).bit_length(), 1),
-        BT=block,
-        NUM_CHUNKS=triton.cdiv(T, block),
+        BT=min(block, _MAX_BLOCK),
+        IN_REGS=block <= _MAX_BLOCK,
+        SB=min(block, _STREAM_BLOCK),
         PB=_PLACE_TOKENS,
-        num_warps=8 if block > 8192 else 4,
+        num_warps=16 if block > 16384 else (8 if block > 8192 else 4),
     )
     scan.cumsum_(0)
     P = T * K + E * W
