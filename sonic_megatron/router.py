@@ -26,7 +26,9 @@ the router's dense probability and gives added pairs that probability as their w
 same), so gradients reach the router through them. ``dense_probs_TE`` is that tensor: the score function
 applied to the (z-loss-processed) logits, with autograd, before top-K and before any expert bias; padded
 tokens (``padding_mask`` False) get probability 0. It is per-microbatch forward state: ``SonicMoELayer``
-reads it in ``preprocess`` right after ``route`` (same schedule node) and drops the reference.
+reads it in ``preprocess`` right after ``route`` (same schedule node) and drops the reference. On the fused path,
+where the losses read the same probabilities, rounding gets its own output of one softmax
+(``kernels/triton/shared_softmax.py``): the two gradients meet inside the softmax backward.
 """
 
 from __future__ import annotations
@@ -123,15 +125,20 @@ class SonicRouter(TopKRouter):
 
     def _fused_routing(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """TopKRouter.routing's softmax top-K in one kernel; the losses through Megatron's own functions."""
+        from .kernels.triton.shared_softmax import shared_softmax
         from .kernels.triton.topk_softmax import topk_softmax
 
         seq_length, bsz = logits.shape[:2]
         logits_TE = self.apply_z_loss(logits.view(-1, self.config.num_moe_experts))
         scores_TK, idx_TK = topk_softmax(logits_TE, self.topk)  # fp32 softmax over the K selected logits
         with_aux = self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled()
-        dense_TE = None
-        if with_aux or self.config.moe_router_pre_softmax or self.keep_dense_probs:
-            dense_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        dense_TE = rounding_TE = None
+        if self.keep_dense_probs and (with_aux or self.config.moe_router_pre_softmax):
+            # two readers (the losses or the pre-softmax scores, and token rounding): one output each, so that
+            # their gradients meet inside one softmax backward instead of in a [T, E] sum
+            dense_TE, rounding_TE = shared_softmax(logits_TE)
+        elif with_aux or self.config.moe_router_pre_softmax or self.keep_dense_probs:
+            dense_TE = rounding_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
         if self.config.moe_router_pre_softmax:  # Megatron: top-K of softmax over all experts, no renormalising
             scores_TK = dense_TE.type_as(logits_TE).gather(1, idx_TK)
         elif logits_TE.dtype != torch.float32:
@@ -145,7 +152,7 @@ class SonicRouter(TopKRouter):
             scores_TK = self._apply_seq_aux_loss(scores_TK, dense_TE, map_TE, seq_length, bsz, with_padding_mask=False)
             scores_TK = self._apply_global_aux_loss(scores_TK, dense_TE, map_TE, with_padding_mask=False)
         if self.keep_dense_probs:
-            self.dense_probs_TE = dense_TE * scale if scale else dense_TE
+            self.dense_probs_TE = rounding_TE * scale if scale else rounding_TE
         return scores_TK, idx_TK
 
     def _dense_probs(self, logits: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """SonicRouter's fused top-K path (one Triton top-K + softmax kernel; on a GPU, or interpreted on CPU) against
 Megatron's TopKRouter with the same weights: the same experts per token, scores and router-weight gradients
-(with z-loss and the aux losses attached) within the 2x-PyTorch-error rule against a float64 TopKRouter, and
-TopKRouter's own path for the options the kernel does not cover."""
+(with z-loss and the aux losses attached, and token rounding's dense probabilities read too) within the
+2x-PyTorch-error rule against a float64 TopKRouter, and TopKRouter's own path for the options the kernel does not
+cover."""
 
 from __future__ import annotations
 
@@ -22,11 +23,19 @@ FUSED_CASES = {
     "seq_aux_pre_softmax": dict(
         moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-2, moe_router_pre_softmax=True
     ),
+    # token rounding's dense probabilities read too: one softmax, two outputs, one fused backward
+    "aux_scaling_rounding_probs": dict(
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2, moe_router_topk_scaling_factor=2.5
+    ),
+    "seq_aux_pre_softmax_rounding_probs": dict(
+        moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-2, moe_router_pre_softmax=True
+    ),
 }
+ROUNDING_PROBS = ("aux_scaling_rounding_probs", "seq_aux_pre_softmax_rounding_probs")
 FALLBACK_CASES = {"sigmoid_bias": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)}
 
 
-def _run(opts, dtype, fused_expected):
+def _run(opts, dtype, fused_expected, rounding_probs=False):
     from megatron.core.transformer.moe.router import TopKRouter
 
     from sonic_megatron.megatron_compat import default_pg_collection
@@ -56,13 +65,30 @@ def _run(opts, dtype, fused_expected):
         router.train()
         if cls is SonicRouter:
             router.emit_topk = True
+            router.keep_dense_probs = rounding_probs
             assert (router.fused_unsupported_reason(x.to(dt), None) is None) == fused_expected
-        probs, rmap = router(x.to(dt).requires_grad_())
+        x_in = x.to(dt).requires_grad_()
+        probs, rmap = router(x_in)
         scores_TK, idx_TK = as_topk(probs, rmap, 4)
         order = torch.sort(idx_TK, dim=1)
         scores_TK = scores_TK.gather(1, order.indices)
         ramp = torch.linspace(-1, 1, scores_TK.numel(), device=device).view_as(scores_TK)
         loss = (scores_TK * ramp.to(dt)).sum()
+        if rounding_probs:  # a rounding-like reader of the dense probabilities: a few pairs' weights
+            if cls is SonicRouter:
+                dense_TE = router.pop_dense_probs()
+            else:  # TopKRouter's softmax over its own logits (z-loss leaves their values)
+                scale = router.config.moe_router_topk_scaling_factor or 1.0
+                dense_TE = (
+                    torch.softmax(
+                        router.gating(x_in).view(-1, 16), -1, dtype=torch.float32 if dt != torch.float64 else dt
+                    )
+                    * scale
+                )
+            pick = torch.zeros(dense_TE.shape, device=device, dtype=dense_TE.dtype)
+            pick[::3, 5] = 1.0
+            pick[1::4, 0] = -2.0
+            loss = loss + (dense_TE * pick).sum()
         loss.backward()
         outs[name] = (order.values, scores_TK.detach().double(), router.weight.grad.double())
     idx, s, g = outs["sonic"]
@@ -82,7 +108,7 @@ def _worker(rank, world, out_dir):
     for cases, fused in ((FUSED_CASES, True), (FALLBACK_CASES, False)):
         for name, opts in cases.items():
             try:
-                _run(opts, torch.float32, fused)
+                _run(opts, torch.float32, fused, rounding_probs=name in ROUNDING_PROBS)
                 results[name] = None
             except Exception:  # noqa: BLE001 - reported per case
                 import traceback
