@@ -63,7 +63,8 @@ CASES = [
 
 
 def _assert_equals_reference(scores, idx, dense, E, M, mode, seed=0):
-    """Pairs, order, scores, metadata and both gradients of the kernels equal the reference's (bitwise)."""
+    """Pairs, order, scores, metadata and both gradients of the kernels equal the reference's (bitwise); returns
+    the kernels' routing."""
     (T, K), rnd = idx.shape, TokenRounding(mode, M)
     s_k, d_k = scores.to(DEVICE).requires_grad_(), dense.to(DEVICE).requires_grad_()
     got = _kernels().round_local_triton(TopKRouting(s_k, idx.to(DEVICE)), d_k, E, mode, M)
@@ -90,6 +91,7 @@ def _assert_equals_reference(scores, idx, dense, E, M, mode, seed=0):
     g_ref = torch.autograd.grad((ref.scores_R * w).sum(), (s_r, d_r))
     for a, b in zip(g_got, g_ref, strict=True):
         assert torch.equal(a.cpu(), b)
+    return got
 
 
 @pytest.mark.parametrize("mode", ["nearest", "up", "down"])
@@ -120,16 +122,8 @@ def test_round_local_kernels_bf16_scores_and_chunked_rows(monkeypatch, max_block
     monkeypatch.setattr(tr, "_MAX_BLOCK", max_block)
     monkeypatch.setattr(tr, "_STREAM_BLOCK", stream_block)
     scores, idx, dense = _routing(100, 6, 2, 5, True, dtype=torch.bfloat16)
-    got = tr.round_local_triton(TopKRouting(scores.to(DEVICE), idx.to(DEVICE)), dense.to(DEVICE), 6, "nearest", 8)
-    ref = round_local_torch(TopKRouting(scores, idx), dense, num_experts=6, rounding=TokenRounding("nearest", 8))
+    got = _assert_equals_reference(scores, idx, dense, 6, 8, "nearest")  # block prefixes cross steps of 32 tokens
     assert got.scores_R.dtype == torch.bfloat16
-    for a, b in (
-        (got.token_idx_R, ref.token_idx_R),
-        (got.expert_idx_R, ref.expert_idx_R),
-        (got.scores_R, ref.scores_R),
-    ):
-        assert torch.equal(a.cpu(), b)
-    _assert_metadata_of(got, ref, 6)  # the block prefixes cross steps of 32 tokens
 
 
 def test_top_n_rows_reference_selects_the_largest_keys_lowest_tokens_first():

@@ -27,7 +27,7 @@ Drops are ranked by the pair's routing score (e.g. the renormalised top-K prob),
 router probability, as in SonicMoE's TC-first score matrix. Routed (token, expert) pairs must be unique.
 
 Without expert parallelism (``round_local``) the same decision runs on the device with no host sync: one
-per-expert top-n selection over int32 keys cuts every expert (on CUDA in three Triton launches and a scan,
+per-expert top-n selection over int32 keys cuts every expert (on CUDA in four Triton launches and a scan,
 ``triton_round.py``), and the result is a padded ``FlatRouting`` whose size is an upper bound known on the host
 (``rounded_pairs_bound``): its real pairs come first, padding pairs (token T, expert E, score 0) after them,
 and the kernels skip those.
@@ -309,7 +309,7 @@ def round_local(
     routing: TopKRouting, rounding_scores_TE: torch.Tensor, *, num_experts: int, rounding: TokenRounding
 ) -> FlatRouting:
     """``round_routing(..., group=None)`` on the device without a host sync (same pairs, same order, same
-    scores for fp32 / 16-bit scores), as a padded ``FlatRouting`` of ``rounded_pairs_bound`` pairs: three Triton
+    scores for fp32 / 16-bit scores), as a padded ``FlatRouting`` of ``rounded_pairs_bound`` pairs: four Triton
     launches and a scan on CUDA (``triton_round.py``; for K <= 126, E <= 4096, scores of at most 32 bits and fewer
     than 2^30 pairs), which also hand the experts their metadata; ``round_local_torch`` elsewhere.
 

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .topk_softmax import _kernel_runs_on  # CUDA, or CPU under the Triton interpreter
+
 _ROWS = 8  # rows per program: H100 at (T, E) = (16384, 256) fp32, see shared_softmax_bwd
 
 
@@ -55,11 +57,6 @@ def _shared_softmax_bwd_kernel(
     dot = tl.sum(p * g, axis=1)
     out = p * (g - dot[:, None])
     tl.store(out_ptr + t[:, None] * E + e[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-def _kernel_runs_on(device: torch.device) -> bool:
-    """CUDA tensors always; CPU tensors only under the Triton interpreter."""
-    return device.type == "cuda" or type(_shared_softmax_bwd_kernel).__name__ == "InterpretedFunction"
 
 
 def shared_softmax_bwd(
