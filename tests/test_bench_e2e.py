@@ -10,6 +10,7 @@ import gzip
 import inspect
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -29,15 +30,15 @@ from sonic_megatron.bench.e2e_log import (
 )
 
 
-def _iteration_line(it: int, total: int, ms: float, tflops: float, loss: float) -> str:
+def _iteration_line(it: int, total: int, ms: float, tflops: float, loss: float, global_batch: int = 16) -> str:
     """An iteration line as megatron/training/training.py (core_r0.19.0) training_log writes it."""
     s = " [2026-11-25 10:00:00.123456]"
     s += f" iteration {it:8d}/{total:8d} |"
-    s += f" consumed samples: {16 * it:12d} |"
+    s += f" consumed samples: {global_batch * it:12d} |"
     s += f" elapsed time per iteration (ms): {ms:.1f} |"
     s += f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
     s += f" learning rate: {3e-4:.6E} |"
-    s += f" global batch size: {16:5d} |"
+    s += f" global batch size: {global_batch:5d} |"
     s += " {}: {:.6E} |".format("lm loss", loss)
     s += " {}: {:.6E} |".format("load_balancing_loss", 1.01)
     s += f" loss scale: {1.0:.1f} |"
@@ -255,6 +256,14 @@ def test_markov_data_flags_and_dataset(tmp_path):
         (dict(eval_iters=-1, data="markov"), "got --eval-iters -1 --data markov"),
         (dict(profile=-1), "--profile: must be 0 (off) or N >= 1"),
         (dict(iters=10, warmup=5, profile=3), "got --profile 3 --iters 10 --warmup 5"),
+        (
+            dict(microbatches=0),
+            "--microbatches: must be >= 1 (micro-batches per data-parallel rank per iteration) or left out (the "
+            "qwen3 global batch 16), got --microbatches 0",
+        ),
+        (dict(nproc=3), "got --nproc 3 (or set --microbatches)"),
+        (dict(overlap_ep_comm=True), "--overlap-ep-comm: needs --ep >= 2"),
+        (dict(overlap_ep_comm=True, nproc=2, ep=1), "got --ep 1"),
     ],
 )
 def test_argument_errors(kw, message):
@@ -278,6 +287,92 @@ def test_defaults_and_no_gpu_error():
         e2e.validate(args, gpu_count=0)
 
 
+def _dry_run_commands(printed: str) -> dict[str, list[str]]:
+    """provider -> its printed shell line's words (the variables it sets first) of a --dry-run's output."""
+    out = {}
+    for line in printed.splitlines():
+        if line.startswith("[") and "]" in line:
+            name, _, shell = line.split("] ", 1)[1].partition(": ")
+            out[name] = shlex.split(shell)
+    return out
+
+
+def test_microbatches_set_the_global_batch(tmp_path, capsys):
+    """--microbatches N: global batch = micro-batch x data-parallel size (--nproc) x N, in --print-flags and every
+    provider's command; a --global-batch-size in --pretrain-args comes after it (argparse keeps the last)."""
+    shape = e2e.CONFIGS["qwen3"]
+    assert e2e.global_batch_size(shape, 8, None) == 16 and e2e.global_batch_size(shape, 8, 3) == 4 * 8 * 3
+    assert e2e.validate(_args(nproc=8, microbatches=1), gpu_count=0)[2] == 8, "no divisibility rule with N given"
+    assert _args().microbatches is None
+    assert e2e.run(_args(nproc=2, ep=2, microbatches=3, print_flags=True)) == 0
+    flags = capsys.readouterr().out.splitlines()
+    assert _flag(flags, "--global-batch-size") == "24" and _flag(flags, "--micro-batch-size") == "4"
+    mlm = _fake_megatron_lm(tmp_path)
+    args = _args(megatron_lm=mlm, nproc=2, ep=2, microbatches=2, providers="sonic,grouped", dry_run=True)
+    assert e2e.run(args) == 0
+    commands = _dry_run_commands(capsys.readouterr().out)
+    assert sorted(commands) == ["grouped", "sonic"]
+    for cmd in commands.values():
+        assert _flag(cmd, "--global-batch-size") == "16" and _flag(cmd, "--nproc-per-node") == "2"
+    args = _args(
+        megatron_lm=mlm,
+        nproc=2,
+        microbatches=2,
+        providers="sonic",
+        pretrain_args="--global-batch-size 64",
+        dry_run=True,
+    )
+    assert e2e.run(args) == 0
+    cmd = _dry_run_commands(capsys.readouterr().out)["sonic"]
+    assert e2e.last_flag_value(cmd, "--global-batch-size") == "64" and _flag(cmd, "--global-batch-size") == "16"
+    assert e2e.last_flag_value(["--global-batch-size=32", "--x"], "--global-batch-size") == "32"
+    assert e2e.last_flag_value(["--x"], "--global-batch-size") is None
+
+
+def test_overlap_ep_comm_flags_and_connections(tmp_path, capsys, monkeypatch):
+    """--overlap-ep-comm: Megatron's --overlap-moe-expert-parallel-comm in every provider's command (and
+    --print-flags) and CUDA_DEVICE_MAX_CONNECTIONS=32 in every provider's environment; without it neither flag and
+    one connection."""
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    shape = e2e.CONFIGS["small"]
+    flags = e2e.pretrain_flags(shape, iters=5, ep=2, seed=1, overlap_ep_comm=True)
+    assert flags[-1] == "--overlap-moe-expert-parallel-comm" and "--delay-wgrad-compute" not in flags
+    assert "--overlap-moe-expert-parallel-comm" not in e2e.pretrain_flags(shape, iters=5, ep=2, seed=1)
+    for name in ("sonic", "grouped", "sequential"):
+        assert e2e.provider_env(name, "/m", {}, overlap_ep_comm=True)["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
+        assert e2e.provider_env(name, "/m", {"CUDA_DEVICE_MAX_CONNECTIONS": "8"})["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert e2e.run(_args(config="small", nproc=2, ep=2, overlap_ep_comm=True, print_flags=True)) == 0
+    assert "--overlap-moe-expert-parallel-comm" in capsys.readouterr().out.splitlines()
+    mlm = _fake_megatron_lm(tmp_path)
+    common = dict(
+        megatron_lm=mlm, config="small", nproc=2, ep=2, providers="sonic,sonic-rounding,grouped", dry_run=True
+    )
+    assert e2e.run(_args(**common, overlap_ep_comm=True, microbatches=2)) == 0
+    captured = capsys.readouterr()
+    commands = _dry_run_commands(captured.out)
+    assert sorted(commands) == ["grouped", "sonic", "sonic-rounding"] and "warning" not in captured.err
+    for cmd in commands.values():
+        assert "CUDA_DEVICE_MAX_CONNECTIONS=32" in cmd and "--overlap-moe-expert-parallel-comm" in cmd
+        assert cmd.index("CUDA_DEVICE_MAX_CONNECTIONS=32") < cmd.index("-m"), "set in the environment"
+    assert e2e.run(_args(**common)) == 0
+    for cmd in _dry_run_commands(capsys.readouterr().out).values():
+        assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in cmd and "--overlap-moe-expert-parallel-comm" not in cmd
+    # One micro-batch per rank: nothing to overlap with; said, not refused.
+    assert e2e.run(_args(**common, overlap_ep_comm=True, microbatches=1)) == 0
+    assert "--overlap-ep-comm with 1 micro-batch per rank" in capsys.readouterr().err
+
+
+def test_run_global_batch_from_the_log_else_the_flags():
+    lines = [_iteration_line(i, 4, 100.0, 1.0, 5.0, global_batch=8 if i < 3 else 24) for i in range(1, 5)]
+    cmd = ["--global-batch-size", "16", "--global-batch-size", "32"]
+    parsed = parse_log(lines)
+    assert e2e.run_global_batch(parsed, cmd, warmup=1, last_timed=None) == (24, "log")
+    assert e2e.run_global_batch(parsed, cmd, warmup=1, last_timed=2) == (8, "log"), "the last timed iteration's"
+    assert e2e.run_global_batch(parse_log(["Traceback"]), cmd, warmup=1, last_timed=None) == (32, "flags")
+    no_batch = parse_log([line.replace("global batch size", "other") for line in lines])
+    assert e2e.run_global_batch(no_batch, cmd, warmup=0, last_timed=None) == (32, "flags")
+
+
 def test_missing_pretrain_gpt_names_the_flag(tmp_path, capsys):
     assert e2e.run(_args(megatron_lm=tmp_path, nproc=1)) == 2
     err = capsys.readouterr().err
@@ -285,10 +380,16 @@ def test_missing_pretrain_gpt_names_the_flag(tmp_path, capsys):
 
 
 FAKE_PRETRAIN = """
-import os, sys
+import gzip, json, os, sys
 args = sys.argv[1:]
 spec = args[args.index("--spec") + 1:args.index("--spec") + 3] if "--spec" in args else []
 iters = int(args[args.index("--train-iters") + 1])
+global_batch = int([args[i + 1] for i, a in enumerate(args) if a == "--global-batch-size"][-1])  # argparse: last wins
+if "--profile" in args:  # Megatron writes rank 0's trace beside --tensorboard-dir
+    trace = os.path.join(os.path.dirname(args[args.index("--tensorboard-dir") + 1]), "torch_profile", "rank-0.json.gz")
+    os.makedirs(os.path.dirname(trace), exist_ok=True)
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": COMM_TRACE()}, f)
 if spec and spec[0] == "sonic_megatron.baseline":
     print("Traceback (most recent call last):\\nRuntimeError: fake failure of the grouped run", flush=True)
     sys.exit(3)
@@ -297,7 +398,7 @@ base = {"none": 100.0, "nearest": 90.0}.get(rounding, 150.0)
 seed = int(args[args.index("--seed") + 1])
 shift = 0.1 * (seed % 2) if rounding == "nearest" else 0.0  # rounding's loss: higher at odd seeds
 for i in range(1, iters + 1):
-    print(LINE(i, iters, base + i % 2, 100.0, 10.0 - 0.1 * i + shift), flush=True)
+    print(LINE(i, iters, base + i % 2, 100.0, 10.0 - 0.1 * i + shift, global_batch), flush=True)
     if i in (1, 2, iters):
         print(MEM(i, 1000.0 if rounding else 2000.0), flush=True)
 if int(args[args.index("--eval-iters") + 1]):
@@ -308,8 +409,8 @@ if int(args[args.index("--eval-iters") + 1]):
 def _fake_megatron_lm(tmp_path):
     mlm = tmp_path / "mlm"
     mlm.mkdir()
-    funcs = (_iteration_line, _memory_line, _validation_line)
-    helpers = "LINE, MEM, VAL = " + ", ".join(f.__name__ for f in funcs) + "\n"
+    funcs = (_iteration_line, _memory_line, _validation_line, _comm_trace_events)
+    helpers = "LINE, MEM, VAL, COMM_TRACE = " + ", ".join(f.__name__ for f in funcs) + "\n"
     source = "\n".join(textwrap.dedent(inspect.getsource(f)) for f in funcs)
     (mlm / "pretrain_gpt.py").write_text(source + "\n" + helpers + FAKE_PRETRAIN)
     return mlm
@@ -347,6 +448,34 @@ def test_failing_provider_does_not_stop_the_others(tmp_path, capsys):
         assert os.path.isfile(row["log"])
     assert rows["sonic"]["peak_allocated_mib"] == 1000.0 and rows["sequential"]["peak_allocated_mib"] == 2000.0
     assert result["config"] == "small" and result["nproc"] == 1
+
+
+def test_tokens_per_second_count_the_logged_global_batch(tmp_path, capsys):
+    """--microbatches 2 sets --global-batch-size 8 (small: micro-batch 4, one GPU); --pretrain-args'
+    --global-batch-size 24 comes last and is what Megatron trains on and logs: tokens/s counts 24 sequences."""
+    out = tmp_path / "e2e.json"
+    args = _args(
+        json=out,
+        megatron_lm=_fake_megatron_lm(tmp_path),
+        nproc=1,
+        config="small",
+        providers="sonic",
+        iters=4,
+        warmup=1,
+        microbatches=2,
+        pretrain_args="--global-batch-size 24",
+        timeout=120,
+    )
+    assert e2e.run(args) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert (result["global_batch"], result["microbatches"]) == (8, 2)
+    assert (result["overlap_ep_comm"], result["cuda_device_max_connections"]) == (False, "1")
+    assert row["global_batch"] == 24 and row["global_batch_source"] == "log"
+    assert row["tokens_per_iteration"] == 24 * 1024 and row["ms_per_iter_median"] == 100.0  # iterations 2-4
+    assert row["tokens_per_s"] == pytest.approx(24 * 1024 / 0.1) == row["tokens_per_s_per_gpu"]
+    assert "global batch 24 (log)" in printed and "global batch 8 (2 micro-batch(es) per rank)" in printed
 
 
 def _fake_markov_run(tmp_path, out, **extra) -> argparse.Namespace:
@@ -675,6 +804,7 @@ def test_profile_summary_per_iteration(tmp_path):
     assert sum(g["ms"] for g in prof["idle_by_launcher"]) == pytest.approx(prof["idle_ms"])
     assert prof["kernels"]["_gather_sum_kernel"] == {"ms": pytest.approx(0.05), "calls": 0.5}
     assert sum(k["ms"] for k in prof["kernels"].values()) == pytest.approx(0.425)  # every event, overlaps counted
+    assert prof["nccl_ms"] == 0.0 and prof["all_to_all_ms"] == 0.0 and prof["all_to_all_hidden_share"] is None
     rows, columns = e2e_profile.table_rows([{"provider": "sonic", "profile": prof}, {"provider": "x", "profile": None}])
     assert [r["provider"] for r in rows] == ["sonic"] and columns[:3] == ["provider", "busy_ms", "idle_ms"]
     assert rows[0]["grouped_gemms_cutlass"] == 0.0
@@ -682,6 +812,128 @@ def test_profile_summary_per_iteration(tmp_path):
         empty = tmp_path / "empty.json"
         empty.write_text(json.dumps({"traceEvents": []}))
         e2e_profile.summarize_trace(str(empty), 1)
+
+
+def test_interval_arithmetic():
+    from sonic_megatron.bench.e2e_profile import clip, intersect, length, union
+
+    u = union([(5, 7), (0, 2), (1, 3), (3, 4), (6, 6.5)])  # overlapping, touching, nested, unsorted
+    assert u == [(0, 4), (5, 7)] and length(u) == 6
+    assert union([]) == [] and intersect(u, []) == []
+    assert intersect(u, [(3, 6)]) == [(3, 4), (5, 6)]
+    assert intersect([(0, 10)], [(1, 2), (4, 5), (9, 12)]) == [(1, 2), (4, 5), (9, 10)]
+    assert intersect([(0, 1)], [(1, 2)]) == [], "touching intervals share no time"
+    assert clip(u, 2, 6) == [(2, 4), (5, 6)] and clip(u, 4, 5) == [] and clip(u, -1, 100) == u
+
+
+def _comm_trace_events() -> list:
+    """Two profiler steps on GPU 0 and one kernel on GPU 1 (trace times in us). GPU 0: all-to-alls (SendRecv) on
+    stream 7 at 100-200 (A), 300-400 (B) and 700-750 (C), an all-gather at 500-560; compute beside A: a GEMM at
+    50-130 and an outer kernel at 150-190 with a nested one at 160-180 on another stream (A: 70 of 100 hidden), a
+    memset at 135-145 inside A's exposed time (not compute); beside B a copy at 300-350 (not compute) and an
+    element-wise kernel at 350-450 (B: 50 of 100 hidden); beside C only an all-reduce (NCCL, not compute) and, on
+    GPU 1, a kernel (another GPU): C 0 of 50 hidden. Step 7 launches the GEMM, step 8 a kernel at 650-680."""
+    send_recv = "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"
+
+    def gpu(name, ts, dur, stream, cat="kernel", pid=0, corr=None):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": pid, "tid": stream} | (
+            {"args": {"correlation": corr}} if corr else {}
+        )
+
+    return [
+        gpu(send_recv, 100, 100, 7),
+        gpu(send_recv, 300, 100, 7),
+        gpu("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 500, 60, 7),
+        gpu(send_recv, 700, 50, 7),
+        gpu("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 720, 40, 8),
+        gpu("nvjet_sm90_tst_256x128", 50, 80, 1, corr=11),
+        gpu("outer_kernel", 150, 40, 1),
+        gpu("inner_kernel", 160, 20, 2),
+        gpu("Memset (Device)", 135, 10, 3, cat="gpu_memset"),
+        gpu("Memcpy DtoD (Device -> Device)", 300, 50, 3, cat="gpu_memcpy"),
+        gpu("vectorized_elementwise_kernel", 350, 100, 1),
+        gpu("gemm_beside_the_all_gather", 500, 60, 1),
+        gpu("step_8_kernel", 650, 30, 1, corr=12),
+        gpu("other_gpu_kernel", 700, 50, 1, pid=1),
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#7", "ts": 0, "dur": 600, "pid": 9, "tid": 1},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#8", "ts": 600, "dur": 400, "pid": 9, "tid": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 10, "dur": 1, "pid": 9, "tid": 1}
+        | {"args": {"correlation": 11}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 610, "dur": 1, "pid": 9, "tid": 1}
+        | {"args": {"correlation": 12}},
+    ]
+
+
+def test_profile_all_to_all_time_and_its_hidden_share(tmp_path):
+    """NCCL and all-to-all kernel time (unions) and the share of the all-to-all time with compute beside it on the
+    same GPU, over the trace and per iteration window; every number below changes if memsets, copies, other NCCL
+    kernels or another GPU's kernels counted as compute, or if nested kernels counted twice."""
+    from sonic_megatron.bench import e2e_profile
+
+    assert e2e_profile.is_all_to_all("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)")
+    assert e2e_profile.is_nccl("ncclDevKernel_AllGather_RING_LL(x)") and e2e_profile.is_nccl("void ncclKernel_x<1>()")
+    assert not e2e_profile.is_all_to_all("ncclDevKernel_AllGather_RING_LL(x)") and not e2e_profile.is_nccl("gemm")
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": _comm_trace_events()}, f)
+    prof = e2e_profile.summarize_trace(str(path), iterations=2)
+    # NCCL: A 100 + B 100 + all-gather 60 + C with the all-reduce 700-760 60 = 320 us; all-to-all 250 us, 120 hidden
+    assert prof["nccl_ms"] == pytest.approx(0.16) and prof["all_to_all_ms"] == pytest.approx(0.125)
+    assert prof["all_to_all_hidden_ms"] == pytest.approx(0.06)
+    assert prof["all_to_all_hidden_share"] == pytest.approx(0.48)
+    # busy 50-200, 300-450, 500-560, 650-680, 700-760 = 450 of 710 us
+    assert prof["idle_ms"] == pytest.approx(0.13)
+    step7, step8 = prof["per_iteration"]
+    assert step7 == {
+        "step": 7,
+        "window_ms": pytest.approx(0.6),  # 50-650
+        "idle_ms": pytest.approx(0.24),
+        "nccl_ms": pytest.approx(0.26),
+        "all_to_all_ms": pytest.approx(0.2),
+        "all_to_all_hidden_share": pytest.approx(0.6),
+    }
+    assert step8 == {
+        "step": 8,
+        "window_ms": pytest.approx(0.11),  # 650-760
+        "idle_ms": pytest.approx(0.02),
+        "nccl_ms": pytest.approx(0.06),
+        "all_to_all_ms": pytest.approx(0.05),
+        "all_to_all_hidden_share": 0.0,
+    }
+    assert step7["idle_ms"] + step8["idle_ms"] == pytest.approx(2 * prof["idle_ms"]), "the windows tile the trace"
+    assert "all-to-all 0.12 ms/iter (48 % of it hidden behind compute)" in e2e_profile.summary_text(prof)
+    rows, columns = e2e_profile.table_rows([{"provider": "sonic", "profile": prof}])
+    assert columns[3:6] == ["nccl_ms", "all_to_all_ms", "all_to_all_hidden_share"]
+    assert rows[0]["all_to_all_hidden_share"] == pytest.approx(0.48)
+    assert e2e_profile.window_lines("sonic", prof)[1] == (
+        "  sonic: step 8: 0.11 ms window, GPU idle 0.02 ms, NCCL 0.06 ms, all-to-all 0.05 ms (0 % of it hidden "
+        "behind compute)"
+    )
+
+
+def test_profile_numbers_printed_per_provider(tmp_path, capsys):
+    """--profile: the fake launcher writes the trace above; the provider's summary line, the profile table and the
+    per-step lines show its all-to-all numbers, and the JSON row holds them."""
+    out = tmp_path / "e2e.json"
+    args = _args(
+        json=out,
+        megatron_lm=_fake_megatron_lm(tmp_path),
+        nproc=1,
+        config="small",
+        providers="sonic",
+        iters=8,
+        warmup=2,
+        profile=2,
+        timeout=120,
+    )
+    assert e2e.run(args) == 0
+    printed = capsys.readouterr().out
+    summary = next(line for line in printed.splitlines() if line.startswith("[1/1] sonic: ok"))
+    assert "NCCL 0.16 ms/iter, all-to-all 0.12 ms/iter (48 % of it hidden behind compute)" in summary
+    assert "all_to_all_hidden_share" in printed and "  sonic: step 7: 0.60 ms window" in printed
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["profile"]["all_to_all_hidden_share"] == pytest.approx(0.48)
+    assert [w["step"] for w in row["profile"]["per_iteration"]] == [7, 8]
 
 
 def test_kernel_diff_between_providers():

@@ -22,6 +22,16 @@ command is printed before it starts and its whole output goes to a log file next
 that fails or passes ``--timeout`` is reported with the tail of its log and the others still run. With
 ``--seeds N`` every provider runs at N seeds and each provider's per-seed ratios to the first one are summarised.
 
+Expert-parallel runs: ``--ep N`` carves the expert-parallel groups out of the data-parallel ranks (no tensor or
+pipeline parallelism here, so every process is a data-parallel rank), ``--microbatches N`` sets the global batch to
+the config's micro-batch x the processes x N (gradient accumulation over N micro-batches per rank), and
+``--overlap-ep-comm`` runs Megatron's 1F1B expert-parallel overlap (``--overlap-moe-expert-parallel-comm``: one
+micro-batch's forward beside another's backward, each one's all-to-all behind the other's compute) in every
+provider, with the CUDA connections it asks for. tokens/s counts the global batch that Megatron's iteration lines
+print (the flags' last ``--global-batch-size`` where they print none), so ``--pretrain-args`` that change it count
+too; ``--profile N`` adds each provider's NCCL and all-to-all kernel time and the share of the all-to-all time
+that compute kernels hide.
+
 This file holds the configs, providers, arguments and flags and runs them; ``e2e_launch.py`` runs one launcher,
 ``e2e_log.py`` reads its log, ``e2e_compare.py`` compares the rows and ``e2e_profile.py`` reads a profile.
 """
@@ -39,7 +49,7 @@ from ..config import ROUNDING_MODES
 from . import e2e_profile
 from .e2e_compare import add_ratios, seed_ratios
 from .e2e_launch import log_excerpt, progress_printer, run_logged, shell_line, torchrun_command
-from .e2e_log import parse_log, summarize
+from .e2e_log import logged_global_batch, parse_log, summarize
 from .markov_data import entropy_rate
 from .megatron_lm import install_dataset_sources
 
@@ -49,6 +59,15 @@ DATA_CHOICES = ("mock", "markov")
 VOCAB = 32000
 MARKOV_SUCCESSORS = 4
 TRAIN_ONLY_SPLIT = "100,0,0"  # --split: every document trains
+# Megatron's 1F1B expert-parallel overlap. Its MoE guide pairs it with --delay-wgrad-compute, which Megatron accepts
+# with --transformer-impl transformer_engine only; this bench runs the local implementation, so the overlap
+# switch leaves it out (and the experts' weight gradients run inside each backward).
+OVERLAP_EP_COMM_FLAGS = ("--overlap-moe-expert-parallel-comm",)
+# CUDA_DEVICE_MAX_CONNECTIONS: one hardware queue launches kernels in issue order across streams (what Megatron asks
+# for by default); the overlap needs several, or the all-to-all stream's kernels queue behind the compute
+# stream's (Megatron's MoE guide: "> 1"; its argument check: "1 or 32"; examples/train_*.sh here use 32).
+DEVICE_MAX_CONNECTIONS = "1"
+OVERLAP_DEVICE_MAX_CONNECTIONS = "32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +130,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--megatron-lm", default=".mlm", help="directory holding Megatron-LM's pretrain_gpt.py")
     parser.add_argument("--nproc", type=int, default=None, help="GPUs (processes) per run (default: all GPUs)")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size (Megatron carves it out of the data-parallel ranks, here all --nproc of them)",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        metavar="N",
+        help="micro-batches per data-parallel rank per iteration: the global batch becomes the config's micro-batch "
+        "x --nproc (the data-parallel size) x N and --global-batch-size follows it (default: the config's global "
+        "batch)",
+    )
+    parser.add_argument(
+        "--overlap-ep-comm",
+        action="store_true",
+        help="add Megatron's --overlap-moe-expert-parallel-comm (1F1B expert-parallel overlap: one micro-batch's "
+        "all-to-all behind another's compute; needs --ep >= 2, overlaps only with 2 or more micro-batches per rank) "
+        f"to every provider, with CUDA_DEVICE_MAX_CONNECTIONS={OVERLAP_DEVICE_MAX_CONNECTIONS} instead of "
+        f"{DEVICE_MAX_CONNECTIONS}",
+    )
     parser.add_argument("--iters", type=int, default=30, help="training iterations per provider")
     parser.add_argument("--warmup", type=int, default=5, help="first iterations left out of the statistics")
     parser.add_argument("--seed", type=int, default=1234, help="Megatron's --seed (the same for every provider)")
@@ -150,15 +191,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         metavar="N",
         help="profile each provider's last N iterations (Megatron's --profile --use-pytorch-profiler) and report "
-        "GPU busy / idle time, time per kernel family, idle time per launching host op and the kernels whose time "
-        "differs most from the first provider's, per iteration; those iterations, the profiler's warm-up one and "
-        "the last one are not timed (default 0: off)",
+        "GPU busy / idle time, NCCL and all-to-all kernel time and the share of the all-to-all time hidden behind "
+        "compute kernels (also per iteration window), time per kernel family, idle time per launching host op and "
+        "the kernels whose time differs most from the first provider's, per iteration; those iterations, the "
+        "profiler's warm-up one and the last one are not timed (default 0: off)",
     )
     parser.add_argument("--dry-run", action="store_true", help="print each provider's command and stop")
     parser.add_argument(
         "--print-flags",
         action="store_true",
-        help="print the shared pretrain_gpt.py flags of --config/--iters/--ep/--seed, one per line, and stop",
+        help="print the shared pretrain_gpt.py flags of --config/--iters/--ep/--microbatches/--overlap-ep-comm/"
+        "--seed, one per line, and stop",
     )
 
 
@@ -195,10 +238,20 @@ def validate(args: argparse.Namespace, *, gpu_count: int) -> tuple[Shape, list[s
         raise ValueError(
             f"--ep: must divide --nproc ({nproc}) and the {args.config} experts ({shape.experts}), got {args.ep}"
         )
-    if shape.global_batch % (shape.micro_batch * nproc):
+    if args.overlap_ep_comm and args.ep < 2:
+        raise ValueError(
+            f"--overlap-ep-comm: needs --ep >= 2 (Megatron overlaps the expert-parallel all-to-all, which one rank "
+            f"per expert group does not have), got --ep {args.ep}"
+        )
+    if args.microbatches is not None and args.microbatches < 1:
+        raise ValueError(
+            f"--microbatches: must be >= 1 (micro-batches per data-parallel rank per iteration) or left out (the "
+            f"{args.config} global batch {shape.global_batch}), got --microbatches {args.microbatches}"
+        )
+    if args.microbatches is None and shape.global_batch % (shape.micro_batch * nproc):
         raise ValueError(
             f"--nproc: {args.config}'s global batch {shape.global_batch} must be a multiple of micro-batch "
-            f"{shape.micro_batch} x data-parallel size (= --nproc), got --nproc {nproc}"
+            f"{shape.micro_batch} x data-parallel size (= --nproc), got --nproc {nproc} (or set --microbatches)"
         )
     if args.iters < 1 or not 0 <= args.warmup < args.iters:
         raise ValueError(f"--warmup: must be in [0, --iters), got --warmup {args.warmup} --iters {args.iters}")
@@ -220,6 +273,28 @@ def validate(args: argparse.Namespace, *, gpu_count: int) -> tuple[Shape, list[s
     return shape, providers, nproc
 
 
+def global_batch_size(shape: Shape, nproc: int, microbatches: int | None) -> int:
+    """The run's global batch: ``microbatches`` micro-batches on each of the ``nproc`` data-parallel ranks (every
+    process: no tensor or pipeline parallelism, and expert parallelism is carved out of data parallelism), or the
+    config's global batch when ``microbatches`` is None."""
+    return shape.global_batch if microbatches is None else shape.micro_batch * nproc * microbatches
+
+
+def microbatches_per_rank(shape: Shape, nproc: int, global_batch: int) -> int:
+    return global_batch // (shape.micro_batch * nproc)
+
+
+def last_flag_value(cmd: list[str], flag: str) -> str | None:
+    """The value of the last ``flag`` in ``cmd`` (``flag value`` or ``flag=value``): the one argparse keeps."""
+    value = None
+    for i, arg in enumerate(cmd):
+        if arg == flag and i + 1 < len(cmd):
+            value = cmd[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1 :]
+    return value
+
+
 def pretrain_flags(
     shape: Shape,
     *,
@@ -229,18 +304,22 @@ def pretrain_flags(
     data_path: str | None = None,
     split: str = TRAIN_ONLY_SPLIT,
     eval_iters: int = 0,
+    global_batch: int | None = None,
+    overlap_ep_comm: bool = False,
 ) -> list[str]:
     """pretrain_gpt.py flags shared by every provider: the shape, bf16 SwiGLU without biases, the alltoall
     dispatcher with aux loss and an fp32 router, mock data (or the indexed dataset at ``data_path``, parts by
     ``split``), the local transformer implementation (no Transformer Engine needed), fused kernels off (they
-    need apex/TE), a log line per iteration with throughput, a memory report at the last iteration too, and
-    ``eval_iters`` batches of validation after training only (none during it)."""
+    need apex/TE), a log line per iteration with throughput, a memory report at the last iteration too,
+    ``eval_iters`` batches of validation after training only (none during it), ``global_batch`` samples per
+    iteration (default: the shape's) and, with ``overlap_ep_comm``, Megatron's 1F1B expert-parallel overlap."""
     data = ["--mock-data"] if data_path is None else ["--data-path", data_path, "--split", split]
+    global_batch = shape.global_batch if global_batch is None else global_batch
     return [
         *("--num-layers", str(shape.layers), "--hidden-size", str(shape.hidden)),
         *("--num-attention-heads", str(shape.heads), "--seq-length", str(shape.seq)),
         *("--max-position-embeddings", str(shape.seq)),
-        *("--micro-batch-size", str(shape.micro_batch), "--global-batch-size", str(shape.global_batch)),
+        *("--micro-batch-size", str(shape.micro_batch), "--global-batch-size", str(global_batch)),
         *("--train-iters", str(iters), "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine"),
         *("--lr-warmup-iters", "2", "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", str(seed)),
         *data,
@@ -255,14 +334,17 @@ def pretrain_flags(
         *("--no-persist-layer-norm", "--no-rope-fusion"),
         *("--log-interval", "1", "--log-throughput", "--log-memory-interval", str(iters)),
         *("--eval-iters", str(eval_iters), "--eval-interval", "1000000"),
+        *(OVERLAP_EP_COMM_FLAGS if overlap_ep_comm else ()),
     ]
 
 
-def markov_data_sizes(shape: Shape, args: argparse.Namespace, seed: int) -> dict:
-    """The markov dataset for a run at ``seed``: one document per sample, enough for every iteration once (no epoch
-    repeats), at least 1024 documents; and as many held-out documents as ``--eval-iters`` batches take."""
-    docs = max(1024, shape.global_batch * args.iters + shape.global_batch)
-    valid_docs = shape.global_batch * (args.eval_iters + 1) if args.eval_iters else 0
+def markov_data_sizes(shape: Shape, args: argparse.Namespace, seed: int, global_batch: int | None = None) -> dict:
+    """The markov dataset for a run at ``seed`` with ``global_batch`` samples per iteration (default: the shape's):
+    one document per sample, enough for every iteration once (no epoch repeats), at least 1024 documents; and as
+    many held-out documents as ``--eval-iters`` batches take."""
+    batch = shape.global_batch if global_batch is None else global_batch
+    docs = max(1024, batch * args.iters + batch)
+    valid_docs = batch * (args.eval_iters + 1) if args.eval_iters else 0
     return dict(
         vocab=VOCAB,
         successors=MARKOV_SUCCESSORS,
@@ -292,13 +374,19 @@ def provider_flags(name: str) -> list[str]:
     return ["--spec", *spec] if spec else []
 
 
-def provider_env(name: str, mlm_dir: str, base: dict[str, str]) -> dict[str, str]:
+def device_max_connections(overlap_ep_comm: bool) -> str:
+    """CUDA_DEVICE_MAX_CONNECTIONS for every provider: one queue as Megatron asks, several for the overlap."""
+    return OVERLAP_DEVICE_MAX_CONNECTIONS if overlap_ep_comm else DEVICE_MAX_CONNECTIONS
+
+
+def provider_env(name: str, mlm_dir: str, base: dict[str, str], overlap_ep_comm: bool = False) -> dict[str, str]:
     """``base`` with Megatron-LM's files and this checkout first on PYTHONPATH (pretrain_gpt.py imports
-    gpt_builders/model_provider as top-level modules; --spec imports sonic_megatron), one NCCL connection
-    per device as Megatron asks, and the provider's own variables."""
+    gpt_builders/model_provider as top-level modules; --spec imports sonic_megatron), the CUDA connections per
+    device of ``device_max_connections``, and the provider's own variables."""
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     paths = [os.path.abspath(mlm_dir), repo] + ([base["PYTHONPATH"]] if base.get("PYTHONPATH") else [])
-    return {**base, "PYTHONPATH": os.pathsep.join(paths), "CUDA_DEVICE_MAX_CONNECTIONS": "1", **PROVIDERS[name].env}
+    connections = {"CUDA_DEVICE_MAX_CONNECTIONS": device_max_connections(overlap_ep_comm)}
+    return {**base, "PYTHONPATH": os.pathsep.join(paths), **connections, **PROVIDERS[name].env}
 
 
 def profile_dir(log_path: str) -> str:
@@ -306,8 +394,16 @@ def profile_dir(log_path: str) -> str:
     return os.path.join(os.path.splitext(log_path)[0] + "-profile", "tb")
 
 
+def run_global_batch(parsed: dict, cmd: list[str], *, warmup: int, last_timed: int | None) -> tuple[int, str]:
+    """(the global batch the run trained on, where it comes from): Megatron's iteration lines ("log"), else the
+    last ``--global-batch-size`` of ``cmd`` ("flags"; a run that died before its first timed iteration)."""
+    logged = logged_global_batch(parsed, warmup=warmup, last_timed=last_timed)
+    if logged is not None:
+        return logged, "log"
+    return int(last_flag_value(cmd, "--global-batch-size")), "flags"
+
+
 def run_provider(name: str, index: int, count: int, cmd: list[str], env: dict, log_path: str, args) -> dict:
-    shape = CONFIGS[args.config]
     tag = f"[{index}/{count}] {name}"
     print(f"{tag}: starting, log {log_path}", flush=True)
     print(f"  {shell_line(cmd, env)}", flush=True)
@@ -316,12 +412,16 @@ def run_provider(name: str, index: int, count: int, cmd: list[str], env: dict, l
     elapsed = time.perf_counter() - t0
     with open(log_path, errors="replace") as f:
         parsed = parse_log(f)
+    last_timed = e2e_profile.last_timed_iteration(args.iters, args.profile) if args.profile else None
+    global_batch, global_batch_source = run_global_batch(parsed, cmd, warmup=args.warmup, last_timed=last_timed)
+    # the sequence length too as the command sets it: --pretrain-args may change either
+    tokens_per_iteration = global_batch * int(last_flag_value(cmd, "--seq-length"))
     stats = summarize(
         parsed,
         warmup=args.warmup,
-        tokens_per_iteration=shape.global_batch * shape.seq,
+        tokens_per_iteration=tokens_per_iteration,
         num_gpus=args.nproc_resolved,
-        last_timed=e2e_profile.last_timed_iteration(args.iters, args.profile) if args.profile else None,
+        last_timed=last_timed,
     )
     if timed_out:
         status = "timeout"
@@ -340,15 +440,11 @@ def run_provider(name: str, index: int, count: int, cmd: list[str], env: dict, l
         "env": PROVIDERS[name].env,
         "command": cmd,
         "log": log_path,
+        "global_batch": global_batch,
+        "global_batch_source": global_batch_source,
+        "tokens_per_iteration": tokens_per_iteration,
         **stats,
     }
-    summary = f"{tag}: {status} in {elapsed:.1f} s (rc {rc})"
-    if stats["ms_per_iter_median"] is not None:
-        summary += (
-            f", {stats['ms_per_iter_median']:.1f} ms/iter (min {stats['ms_per_iter_min']:.1f}, max "
-            f"{stats['ms_per_iter_max']:.1f}), peak allocated {stats['peak_allocated_mib'] or 0:.0f} MiB"
-        )
-    print(summary, flush=True)
     if args.profile and status == "ok":
         trace = e2e_profile.trace_path(profile_dir(log_path))
         try:
@@ -356,6 +452,16 @@ def run_provider(name: str, index: int, count: int, cmd: list[str], env: dict, l
         except (OSError, ValueError) as exc:
             row["profile"] = None
             print(f"  warning: no profile summary from {trace}: {exc}", flush=True)
+    summary = f"{tag}: {status} in {elapsed:.1f} s (rc {rc})"
+    if stats["ms_per_iter_median"] is not None:
+        summary += (
+            f", {stats['ms_per_iter_median']:.1f} ms/iter (min {stats['ms_per_iter_min']:.1f}, max "
+            f"{stats['ms_per_iter_max']:.1f}), global batch {global_batch} ({global_batch_source}), "
+            f"{stats['tokens_per_s']:.0f} tokens/s, peak allocated {stats['peak_allocated_mib'] or 0:.0f} MiB"
+        )
+    if row.get("profile"):
+        summary += f"; {e2e_profile.summary_text(row['profile'])}"
+    print(summary, flush=True)
     if status != "ok":
         row["log_tail"] = log_excerpt(log_path)
         print(f"  first error and last lines of {log_path}:", flush=True)
@@ -390,13 +496,24 @@ def run(args: argparse.Namespace) -> int:
     args.nproc_resolved = nproc
     log_dir = args.log_dir or (os.path.dirname(os.path.abspath(args.json)) if args.json else "out")
     seeds = list(range(args.seed, args.seed + args.seeds))
+    global_batch = global_batch_size(shape, nproc, args.microbatches)
+    microbatches = microbatches_per_rank(shape, nproc, global_batch)
 
     def seed_flags(seed: int) -> tuple[list[str], dict | None]:
         """pretrain_gpt.py's shared flags at ``seed`` and the sizes of the markov dataset they read (None: mock
         data), which is written at ``markov_data_path(log_dir, sizes)``."""
-        sizes = markov_data_sizes(shape, args, seed) if args.data == "markov" else None
+        sizes = markov_data_sizes(shape, args, seed, global_batch) if args.data == "markov" else None
         data = {"data_path": markov_data_path(log_dir, sizes), "split": markov_split(sizes)} if sizes else {}
-        flags = pretrain_flags(shape, iters=args.iters, ep=args.ep, seed=seed, eval_iters=args.eval_iters, **data)
+        flags = pretrain_flags(
+            shape,
+            iters=args.iters,
+            ep=args.ep,
+            seed=seed,
+            eval_iters=args.eval_iters,
+            global_batch=global_batch,
+            overlap_ep_comm=args.overlap_ep_comm,
+            **data,
+        )
         return flags + shlex.split(args.pretrain_args), sizes
 
     if args.print_flags:
@@ -417,12 +534,22 @@ def run(args: argparse.Namespace) -> int:
                 print(f"installed {path} (pretrain_gpt.py compiles megatron-core's dataset helpers with it)")
         except OSError as exc:  # a read-only install: Megatron's own error follows if the helpers are missing
             print(f"warning: could not install the dataset helper sources: {exc}", file=sys.stderr)
+    overlap = f", EP overlap (CUDA_DEVICE_MAX_CONNECTIONS={OVERLAP_DEVICE_MAX_CONNECTIONS})"
     print(
-        f"bench e2e: config {args.config} {dataclasses.asdict(shape)}, {nproc} GPU(s), EP {args.ep}, "
-        f"{args.iters} iterations ({args.warmup} warm-up), providers {', '.join(providers)}"
-        + (f", seeds {seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else ""),
+        f"bench e2e: config {args.config} {dataclasses.asdict(shape)}, {nproc} GPU(s), EP {args.ep}, global batch "
+        f"{global_batch} ({microbatches} micro-batch(es) per rank), {args.iters} iterations ({args.warmup} warm-up), "
+        f"providers {', '.join(providers)}"
+        + (f", seeds {seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else "")
+        + (overlap if args.overlap_ep_comm else ""),
         flush=True,
     )
+    if args.overlap_ep_comm and microbatches < 2:
+        print(
+            f"warning: --overlap-ep-comm with {microbatches} micro-batch per rank: Megatron's overlap schedule has no "
+            "second micro-batch to hide the all-to-all behind (set --microbatches 2 or more)",
+            file=sys.stderr,
+            flush=True,
+        )
     rows, count = [], len(providers) * len(seeds)
     for s_index, seed in enumerate(seeds):
         flags, sizes = seed_flags(seed)
@@ -440,7 +567,7 @@ def run(args: argparse.Namespace) -> int:
             log_path = os.path.join(log_dir, f"e2e-{args.config}-{name}{suffix}.log")
             extra = e2e_profile.megatron_flags(args.iters, args.profile, profile_dir(log_path)) if args.profile else []
             cmd = torchrun_command(pretrain_gpt, nproc, flags + provider_flags(name) + extra)
-            env = provider_env(name, args.megatron_lm, dict(os.environ))
+            env = provider_env(name, args.megatron_lm, dict(os.environ), overlap_ep_comm=args.overlap_ep_comm)
             if args.dry_run:
                 print(f"[{i}/{count}] {name}: {shell_line(cmd, env)}")
                 continue
@@ -452,9 +579,11 @@ def run(args: argparse.Namespace) -> int:
         "provider",
         *(["seed"] if len(seeds) > 1 else []),
         "status",
+        "global_batch",
         "ms_per_iter_median",
         "ms_per_iter_min",
         "ms_per_iter_max",
+        "tokens_per_s",
         "tokens_per_s_per_gpu",
         "tflops_per_gpu",
         "peak_allocated_mib",
@@ -492,6 +621,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"GPU ms per iteration over each provider's last {args.profile} iterations (torch profiler):")
         print_table(prof_rows, prof_columns)
         for r in rows:
+            for line in e2e_profile.window_lines(r["provider"], r.get("profile") or {}):
+                print(line)
+        for r in rows:
             for gap in (r.get("profile") or {}).get("idle_by_launcher", [])[:8]:
                 where = f"in {gap['gaps']:.0f} gaps before {gap['launcher']}"
                 print(f"  {r['provider']}: idle {gap['ms']:.2f} ms/iter {where}")
@@ -506,6 +638,10 @@ def run(args: argparse.Namespace) -> int:
             "shape": dataclasses.asdict(shape),
             "nproc": nproc,
             "ep": args.ep,
+            "global_batch": global_batch,
+            "microbatches": microbatches,
+            "overlap_ep_comm": args.overlap_ep_comm,
+            "cuda_device_max_connections": device_max_connections(args.overlap_ep_comm),
             "iters": args.iters,
             "warmup": args.warmup,
             "seed": args.seed,

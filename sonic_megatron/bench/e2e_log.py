@@ -12,7 +12,8 @@ every ``--log-memory-interval``)::
      validation loss at iteration 200 on validation set | lm loss value: 1.650962E+00 | lm loss PPL: 5.21E+00 |
 
 (each a single line in the log). Keys are kept as Megatron writes them ("elapsed time per iteration (ms)",
-"lm loss", ...).
+"lm loss", ...). The iteration line's "global batch size" is the batch the run really trained on, whatever flags set
+it: tokens/s comes from it (``logged_global_batch``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ VALID_LOSS_KEY = "lm loss value"
 MS_KEY = "elapsed time per iteration (ms)"
 TFLOPS_KEY = "throughput per GPU (TFLOP/s/GPU)"
 LOSS_KEY = "lm loss"
+GLOBAL_BATCH_KEY = "global batch size"
 
 
 def _fields(text: str) -> dict[str, float]:
@@ -96,21 +98,35 @@ def parse_log(lines) -> dict:
     }
 
 
+def timed_iterations(parsed: dict, *, warmup: int, last_timed: int | None = None) -> list[dict]:
+    """The iteration records after the first ``warmup`` ones and up to ``last_timed`` (when given: the iterations
+    the profiler touches are not timed) that carry a time."""
+    return [
+        it
+        for it in parsed["iterations"]
+        if it["iteration"] > warmup and (last_timed is None or it["iteration"] <= last_timed) and MS_KEY in it
+    ]
+
+
+def logged_global_batch(parsed: dict, *, warmup: int, last_timed: int | None = None) -> int | None:
+    """The global batch size Megatron printed for the last timed iteration (``timed_iterations``; the batch is
+    fixed without ``--rampup-batch-size``, and at its end after a ramp-up), None when the log prints none."""
+    timed = timed_iterations(parsed, warmup=warmup, last_timed=last_timed)
+    batches = [it[GLOBAL_BATCH_KEY] for it in timed if GLOBAL_BATCH_KEY in it]
+    return int(batches[-1]) if batches else None
+
+
 def summarize(
     parsed: dict, *, warmup: int, tokens_per_iteration: int, num_gpus: int, last_timed: int | None = None
 ) -> dict:
-    """Statistics of the iterations after the first ``warmup`` ones (and up to ``last_timed``, when given: the
-    iterations the profiler touches are not timed): median / min / max ms per iteration,
-    tokens/s/GPU and TFLOP/s/GPU at the median, peak memory (the largest "max allocated" reported), the
+    """Statistics of the iterations after the first ``warmup`` ones (and up to ``last_timed``, when given:
+    ``timed_iterations``): median / min / max ms per iteration, tokens/s and tokens/s/GPU (``tokens_per_iteration``
+    over the median time) and TFLOP/s/GPU at the median, peak memory (the largest "max allocated" reported), the
     loss curve of every iteration, the last loss and the mean of the last 10 (one step's loss is noisy), and the
     last validation loss (``--eval-iters``).
     Missing values are None (a run that died early)."""
     its = parsed["iterations"]
-    timed = [
-        it
-        for it in its
-        if it["iteration"] > warmup and (last_timed is None or it["iteration"] <= last_timed) and MS_KEY in it
-    ]
+    timed = timed_iterations(parsed, warmup=warmup, last_timed=last_timed)
     ms = [it[MS_KEY] for it in timed]
     tflops = [it[TFLOPS_KEY] for it in timed if TFLOPS_KEY in it]
     median_ms = statistics.median(ms) if ms else None
@@ -126,6 +142,7 @@ def summarize(
         "ms_per_iter_median": median_ms,
         "ms_per_iter_min": min(ms) if ms else None,
         "ms_per_iter_max": max(ms) if ms else None,
+        "tokens_per_s": tokens_per_iteration / (median_ms / 1e3) if median_ms else None,
         "tokens_per_s_per_gpu": tokens_per_iteration / (median_ms / 1e3) / num_gpus if median_ms else None,
         "tflops_per_gpu": statistics.median(tflops) if tflops else None,
         "peak_allocated_mib": max(peaks) if peaks else None,

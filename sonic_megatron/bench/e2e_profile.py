@@ -6,9 +6,14 @@ copies and memsets) and idle time (the rest of the window from the first GPU eve
 kernel family (``FAMILIES``), the kernels that took the most (and every kernel's time, for ``kernel_diff``
 between two providers), and where the GPU waited: each idle gap is charged
 to the host op that launched the GPU event ending it (the innermost ``cpu_op`` around its CUDA runtime call), which
-tells a gap behind a host sync or a host-bound stretch from one inside a layer. The profiled iterations, the
-profiler's warm-up iteration before them and the last iteration (the trace is written at its start) are left out of
-the run's timing statistics.
+tells a gap behind a host sync or a host-bound stretch from one inside a layer. The communication: the time of NCCL's
+kernels (the union of their intervals), of the all-to-all ones among them (``torch.distributed.all_to_all_single``
+runs as NCCL's grouped sends and receives, ``ncclDevKernel_SendRecv``), and the share of the all-to-all time during
+which a compute kernel (any kernel but NCCL's; copies and memsets are not compute) runs beside it on the same GPU:
+the all-to-all time that expert-parallel overlap hides. Each is also given per iteration window: the profiler's
+steps (``ProfilerStep#N``) split the GPU timeline where the first GPU event that a step launched starts. The
+profiled iterations, the profiler's warm-up iteration before them and the last iteration (the trace is written at
+its start) are left out of the run's timing statistics.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import gzip
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 # (family, test on the kernel name); the first match names a kernel's family, "other" when none does.
 FAMILIES: tuple[tuple[str, Callable[[str], bool]], ...] = (
@@ -39,6 +44,14 @@ TOP_DIFF = 25  # kernel_diff: the kernels whose time differs most between two pr
 KERNEL_NAME_CHARS = 100  # the per-kernel table's names (CUTLASS template names run past 1,000 characters)
 UNKNOWN_LAUNCH = "(launch not in trace)"
 _MAX_WALK = 5000
+# NCCL's kernels: ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>), ncclDevKernel_AllGather_RING_LL(...),
+# ncclKernel_... in older NCCL releases.
+NCCL_PREFIX = "nccl"
+# all_to_all_single is a group of point-to-point sends and receives in NCCL: one SendRecv kernel per call.
+ALL_TO_ALL_MARKERS = ("sendrecv", "alltoall")
+PROFILER_STEP = re.compile(r"ProfilerStep#(\d+)")
+
+Interval = tuple[float, float]
 
 
 def megatron_flags(iters: int, last: int, tensorboard_dir: str) -> list[str]:
@@ -117,6 +130,152 @@ def _launchers(events: list[dict]) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Interval arithmetic: unions are sorted lists of disjoint (start, end) intervals
+# ----------------------------------------------------------------------------------------------------------
+
+
+def union(intervals: Iterable[Interval]) -> list[Interval]:
+    """The union of ``intervals`` as sorted disjoint intervals (touching ones merged)."""
+    merged: list[Interval] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            if end > merged[-1][1]:
+                merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def length(intervals: list[Interval]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """The intersection of two unions, by one sweep over both."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:  # the interval that ends first cannot meet anything further in the other union
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def clip(intervals: list[Interval], lo: float, hi: float) -> list[Interval]:
+    """The part of a union inside [lo, hi)."""
+    i = bisect.bisect_right(intervals, lo, key=lambda iv: iv[1])  # the first interval ending after lo
+    out = []
+    while i < len(intervals) and intervals[i][0] < hi:
+        out.append((max(intervals[i][0], lo), min(intervals[i][1], hi)))
+        i += 1
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Communication kernels and iteration windows
+# ----------------------------------------------------------------------------------------------------------
+
+
+def is_nccl(name: str) -> bool:
+    return name.removeprefix("void ").startswith(NCCL_PREFIX)  # a demangled template kernel names its return type
+
+
+def is_all_to_all(name: str) -> bool:
+    lower = name.lower()
+    return is_nccl(name) and any(marker in lower for marker in ALL_TO_ALL_MARKERS)
+
+
+def comm_unions(gpu: list[dict]) -> dict[str, list[list[Interval]]]:
+    """Per GPU (the trace's ``pid`` of a GPU event), the unions of its NCCL kernels ("nccl"), of the all-to-all ones
+    ("all_to_all") and of the all-to-all time with a compute kernel beside it ("all_to_all_hidden"): overlap
+    counts within one GPU only, and copies and memsets are not compute."""
+    kernels_by_gpu: dict = collections.defaultdict(list)
+    for e in gpu:
+        if e["cat"] == "kernel":
+            kernels_by_gpu[e.get("pid")].append(e)
+    out: dict[str, list[list[Interval]]] = {"nccl": [], "all_to_all": [], "all_to_all_hidden": []}
+    for kernels in kernels_by_gpu.values():
+        spans = [(e["name"], (e["ts"], e["ts"] + e["dur"])) for e in kernels]
+        all_to_all = union(iv for name, iv in spans if is_all_to_all(name))
+        compute = union(iv for name, iv in spans if not is_nccl(name))
+        out["nccl"].append(union(iv for name, iv in spans if is_nccl(name)))
+        out["all_to_all"].append(all_to_all)
+        out["all_to_all_hidden"].append(intersect(all_to_all, compute))
+    return out
+
+
+def _launch_times(events: list[dict]) -> dict:
+    """correlation id -> host time of the CUDA runtime call that launched that GPU event."""
+    return {
+        e["args"]["correlation"]: e["ts"]
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") in ("cuda_runtime", "cuda_driver")
+        and "correlation" in (e.get("args") or {})
+    }
+
+
+def iteration_windows(events: list[dict], gpu: list[dict], end: float) -> list[tuple[int, float, float]]:
+    """(step, start, end) per profiler step that launched GPU work: a step's window on the GPU timeline starts where
+    the first GPU event launched inside its host range (``ProfilerStep#N``) starts and ends where the next step's
+    starts (the last at ``end``), so that the windows tile the timeline and each idle gap falls in one of them."""
+    steps = sorted(
+        (e["ts"], e["ts"] + e["dur"], int(m.group(1)))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and (m := PROFILER_STEP.fullmatch(e["name"]))
+    )
+    step_starts = [s[0] for s in steps]
+    launched = _launch_times(events)
+    first_start: dict[int, float] = {}
+    for e in gpu:
+        ts = launched.get((e.get("args") or {}).get("correlation"))
+        i = bisect.bisect_right(step_starts, ts) - 1 if ts is not None else -1
+        if i >= 0 and ts <= steps[i][1]:
+            step = steps[i][2]
+            first_start[step] = min(first_start.get(step, e["ts"]), e["ts"])
+    starts = sorted((t, step) for step, t in first_start.items())
+    return [(step, t, starts[k + 1][0] if k + 1 < len(starts) else end) for k, (t, step) in enumerate(starts)]
+
+
+def _window_summary(step: int, lo: float, hi: float, busy: list[Interval], comm: dict) -> dict:
+    """One iteration window's GPU idle, NCCL and all-to-all ms and the all-to-all's hidden share."""
+
+    def ms(name: str) -> float:
+        return sum(length(clip(u, lo, hi)) for u in comm[name]) * 1e-3
+
+    all_to_all = ms("all_to_all")
+    return {
+        "step": step,
+        "window_ms": (hi - lo) * 1e-3,
+        "idle_ms": (hi - lo - length(clip(busy, lo, hi))) * 1e-3,
+        "nccl_ms": ms("nccl"),
+        "all_to_all_ms": all_to_all,
+        "all_to_all_hidden_share": ms("all_to_all_hidden") / all_to_all if all_to_all else None,
+    }
+
+
+def comm_summary(events: list[dict], gpu: list[dict], iterations: int) -> dict:
+    """NCCL and all-to-all ms per iteration, the all-to-all's hidden share over the whole trace and per iteration
+    window (see the module docstring)."""
+    comm = comm_unions(gpu)
+    total = {name: sum(length(u) for u in unions) for name, unions in comm.items()}
+    end = max(e["ts"] + e["dur"] for e in gpu)
+    busy = union((e["ts"], e["ts"] + e["dur"]) for e in gpu)
+    windows = iteration_windows(events, gpu, end)
+    per_iter_ms = 1e-3 / iterations
+    return {
+        "nccl_ms": total["nccl"] * per_iter_ms,
+        "all_to_all_ms": total["all_to_all"] * per_iter_ms,
+        "all_to_all_hidden_ms": total["all_to_all_hidden"] * per_iter_ms,
+        "all_to_all_hidden_share": total["all_to_all_hidden"] / total["all_to_all"] if total["all_to_all"] else None,
+        "per_iteration": [_window_summary(step, lo, hi, busy, comm) for step, lo, hi in windows],
+    }
+
+
 def summarize_trace(path: str, iterations: int) -> dict:
     """GPU time per iteration of a Chrome trace covering ``iterations`` iterations (see the module docstring)."""
     opener = gzip.open if path.endswith(".gz") else open
@@ -158,6 +317,7 @@ def summarize_trace(path: str, iterations: int) -> dict:
         "trace": path,
         "busy_ms": busy * per_iter_ms,
         "idle_ms": (end - start - busy) * per_iter_ms,
+        **comm_summary(events, gpu, iterations),
         "families_ms": {k: v * per_iter_ms for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": n, "ms": t * per_iter_ms, "calls": c / iterations} for n, (t, c) in top],
         "idle_by_launcher": [{"launcher": n, "ms": t * per_iter_ms, "gaps": c / iterations} for n, (t, c) in gaps],
@@ -198,8 +358,12 @@ def kernel_diff(rows: list[dict], reference: str, top: int = TOP_DIFF) -> list[d
     return out
 
 
+COMM_COLUMNS = ("nccl_ms", "all_to_all_ms", "all_to_all_hidden_share")
+
+
 def table_rows(rows: list[dict]) -> tuple[list[dict], list[str]]:
-    """One flat row per profiled provider (busy, idle, each family's ms per iteration) and its columns."""
+    """One flat row per profiled provider (busy, idle, NCCL and all-to-all ms and the all-to-all's hidden share,
+    each family's ms per iteration) and its columns."""
     fams = [f for f, _ in FAMILIES] + [COPIES, MEMSETS, OTHER]
     out = []
     for r in rows:
@@ -210,7 +374,29 @@ def table_rows(rows: list[dict]) -> tuple[list[dict], list[str]]:
                     "provider": r["provider"],
                     "busy_ms": prof["busy_ms"],
                     "idle_ms": prof["idle_ms"],
+                    **{c: prof.get(c) for c in COMM_COLUMNS},
                     **{f: prof["families_ms"].get(f, 0.0) for f in fams},
                 }
             )
-    return out, ["provider", "busy_ms", "idle_ms", *fams]
+    return out, ["provider", "busy_ms", "idle_ms", *COMM_COLUMNS, *fams]
+
+
+def _share_text(share: float | None) -> str:
+    return "no all-to-all" if share is None else f"{100 * share:.0f} % of it hidden behind compute"
+
+
+def summary_text(prof: dict) -> str:
+    """The communication part of a provider's summary line, per iteration."""
+    return (
+        f"GPU idle {prof['idle_ms']:.2f} ms/iter, NCCL {prof['nccl_ms']:.2f} ms/iter, all-to-all "
+        f"{prof['all_to_all_ms']:.2f} ms/iter ({_share_text(prof['all_to_all_hidden_share'])})"
+    )
+
+
+def window_lines(provider: str, prof: dict) -> list[str]:
+    """One line per iteration window of a profile: its idle, NCCL and all-to-all ms and the hidden share."""
+    return [
+        f"  {provider}: step {w['step']}: {w['window_ms']:.2f} ms window, GPU idle {w['idle_ms']:.2f} ms, NCCL "
+        f"{w['nccl_ms']:.2f} ms, all-to-all {w['all_to_all_ms']:.2f} ms ({_share_text(w['all_to_all_hidden_share'])})"
+        for w in prof.get("per_iteration", [])
+    ]
