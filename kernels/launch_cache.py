@@ -1,10 +1,9 @@
 """Cached kernel launches (QuACK's GEMMs): per call signature, the compiled kernel and its arguments' recipe.
 
-Why: QuACK's Python entry points (``gemm_tuned.fn`` -> ``gemm`` / ``gemm_act`` / ``gemm_dact``) spend ~63 us of
-host time per call -- shape checks, layout permutes, a 30-field compile-cache key, the argument NamedTuples --
-around a ~13 us TVM-FFI launch (H100: 76-80 us per call vs 13-14 us; an H200 host: 33-48 vs 6 us and
-18-20 us through this cache). The expert-parallel layer is host-bound and its slowest rank's host paces every
-all-to-all, and an interleaved step makes six such calls (docs/PERF.md section 2).
+Why: QuACK's Python entry points (``gemm_tuned.fn`` -> ``gemm`` / ``gemm_act`` / ``gemm_dact``) spend several
+times the host time of the TVM-FFI launch they wrap -- shape checks, layout permutes, a 30-field compile-cache
+key, the argument NamedTuples. The expert-parallel layer is host-bound and its slowest rank's host paces every
+all-to-all, and an interleaved step makes six such calls (timings: docs/PERF.md, "Expert parallelism").
 
 How: the first call of a signature runs QuACK's own path while a spy on QuACK's compile-cache functions records
 the compiled kernel and the exact arguments it was launched with. Each tensor among them is matched to the

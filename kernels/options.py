@@ -7,7 +7,7 @@ a variable later has no effect; ``set_kernel_options(KernelOptions(...))`` repla
 a benchmark's ``--tuning``) for the launches after it.
 
     SONIC_MEGATRON_CUTE_TUNING  tile policy of the ``cute`` backend's GEMMs:
-        heuristic  (default) fixed tiles per GEMM from H100 measurements (``kernels/cute/configs.py``); one
+        heuristic  (default) fixed tiles per GEMM from measured timings (``kernels/cute/configs.py``); one
                    compiled kernel per config, no autotuning.
         autotune   QuACK's autotuner: benchmarks every valid config at the first call of each shape (minutes;
                    its key includes M, so varlen shapes that change every step re-tune). For fixed-shape runs.

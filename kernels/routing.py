@@ -10,7 +10,7 @@ A routing is either top-K (``TopKRouting``: scores [T, K] and expert indices [T,
 which token rounding and expert parallelism need). Internally both become flat: pair j of token t lies
 in ``token_offsets[t] : token_offsets[t+1]`` (CSR), and for top-K pair j is the entry t*K + k.
 
-``RoutingMetadata`` holds the int32 arrays every backend uses (SonicMoE paper section 1.2):
+``RoutingMetadata`` holds the int32 arrays every backend uses (as in SonicMoE):
     expert_offsets        [E+1]  exclusive prefix sum of per-expert row counts (cu_seqlens of every
                                  varlen GEMM): expert e owns expert-sorted rows [off[e], off[e+1])
     x_gather_idx          [R]    expert-sorted row r reads token row x_gather_idx[r] of X (and of dO)

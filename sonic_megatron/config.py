@@ -59,11 +59,10 @@ class SonicConfig:
             ``rounding_tile`` in training: ``none`` (default; plain top-K, the same function as stock
             Megatron), ``nearest`` (an expert that top-K routed to keeps at least one tile: SonicMoE's nearest
             rounding would empty it), ``up`` or ``down``. Evaluation always uses plain top-K. Needs
-            ``dispatcher='sonic'``. Rounding moves up to ``rounding_tile - 1`` pairs of every expert. Measured
-            after 200 iterations (docs/PERF.md), the loss against top-K's: ``nearest`` -0.2 % on average over five
-            seeds with 2 tiles of routed pairs per expert per micro-batch (-4.7 % to +2.4 % per seed), -1.6 % to
-            +1.1 % with 4; ``up`` +1.1 % with 2 (one seed; it fills partial tiles and saves no GEMM tile);
-            ``down`` +20-22 % with 2. The layer warns below 2 tiles.
+            ``dispatcher='sonic'``. Rounding moves up to ``rounding_tile - 1`` pairs of every expert: ``up`` fills
+            partial tiles and saves no GEMM tile, ``down`` drops the pairs of every partial tile. The measured loss
+            of each mode against top-K's is in docs/PERF.md ("Token rounding"). The layer warns when experts
+            average fewer than 2 tiles of routed pairs per micro-batch.
         rounding_tile: the multiple used by token rounding (the GEMM M tile; 128 on Hopper).
         num_chunks: pipeline the dispatch/experts/combine of a layer in this many chunks so that one chunk's
             all-to-all overlaps another's GEMMs (``dispatcher='sonic'``; 1 = no chunking). With N > 1 (or

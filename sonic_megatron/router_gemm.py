@@ -3,9 +3,9 @@
 Shape legend: T tokens, D hidden size, E experts, K a GEMM's reduction length, C chunks of it, p operand parts.
 
 Megatron computes fp32 router logits with fp32 GEMMs of the upcast input and weight, forward and backward
-(``router_gating_linear``). On Hopper those run on the CUDA cores: at T = 16384, D = 2048, E = 256 the three
-GEMMs and the casts around them take ~1.3 ms per layer step on an H100, 15-20 % of the whole MoE layer. Here all
-three run on the bf16 tensor cores, with two measures that keep every result within the fp32 GEMM's own error:
+(``router_gating_linear``). On Hopper those run on the CUDA cores and, with the casts around them, take a
+sizeable share of the MoE layer's time (docs/PERF.md). Here all three run on the bf16 tensor cores, with two
+measures that keep every result within the fp32 GEMM's own error:
 
 * exact operands: an fp32 tensor v splits into bf16 parts v1 = bf16(v), v2 = bf16(v - v1), v3 = bf16(v - v1 - v2)
   whose sum IS v (each holds the next 8 of fp32's 24 significand bits; bf16 has fp32's exponent range, so no
@@ -13,12 +13,11 @@ three run on the bf16 tensor cores, with two measures that keep every result wit
   stacked along the GEMM's M or K dimension (one GEMM);
 * short accumulations: the tensor cores' fp32 accumulation truncates, so its error grows linearly with the
   reduction length, while the fp32 GEMM's grows like its square root. The reduction is cut into chunks (one
-  batched GEMM, fp32 partial results) that are then summed with round-to-nearest. Max error vs float64 relative
-  to the fp32 GEMM's, H100, D = 2048, T 8192 / 16384, E 128 / 256:
-      logits (K = D)   unchunked 7.7 / 2.0 (bf16 weight); chunks of 256: 1.0 / 0.24 (bf16), 0.52 / 0.17 (fp32)
-      dW     (K = T)   unchunked 19.5 / 20.0; chunks of 1024: 1.9 / 0.93, 512: 0.98 / 0.46, 256: 0.58 / 0.28
-  (at T = 512 one chunk of 512 gave 3.4: the chunk follows sqrt(T), ``wgrad_chunk``). Each GEMM's time falls
-  from 0.16 / 0.45 ms (fp32, with the casts) to 0.05 / 0.14 (logits) and from 0.15 / 0.44 to 0.10 / 0.21 (dW).
+  batched GEMM, fp32 partial results) that are then summed with round-to-nearest. Unchunked, the error against
+  float64 exceeds the fp32 GEMM's, most for dW, whose reduction runs over all T tokens; with chunks of 256
+  (logits) and of ``wgrad_chunk(T)`` (dW: the chunk follows sqrt(T), as the fp32 GEMM's error does) it stays
+  within the fp32 GEMM's error at the sizes measured. The GEMMs on the tensor cores take less time than the fp32
+  ones with their casts.
 
     logits = x W^T      x bf16 (exact), W in 1 part (bf16, Megatron's Float16Module) or 3 (fp32), chunks of 256
     dX     = dL W       returned in bf16: dL and W in 2 parts, the terms (1,1), (1,2), (2,1) as one GEMM over a
@@ -43,7 +42,7 @@ LOGITS_CHUNK = 256  # reduction chunk of the logits GEMM (K = D)
 
 def wgrad_chunk(num_tokens: int) -> int:
     """Reduction chunk of the weight-gradient GEMM (K = T): the power of two at or below 4 sqrt(T) in [64, 512]
-    (error ~0.5x the fp32 GEMM's at T = 8192 and 16384, see the module docstring)."""
+    (within the fp32 GEMM's error, see the module docstring)."""
     bound = int(4 * max(num_tokens, 1) ** 0.5)
     return min(512, max(64, 1 << (bound.bit_length() - 1)))
 

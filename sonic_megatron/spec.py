@@ -35,7 +35,8 @@ megatron-core       name                                   what that branch's la
   ``--mtp-num-layers`` cannot be combined with any ``--spec`` (that ``gpt_builder`` reads ``use_te``, which
   only its no-spec branch sets). Checked: tests/test_megatron_launcher_spec.py replays that consumption on
   the installed megatron-core, and with ``SONIC_MEGATRON_MLM_DIR`` also calls a branch's real
-  ``gpt_builder``; docs/PERF.md section 3 has core_r0.18.0's pretrain_gpt.py run on GPUs.
+  ``gpt_builder``; docs/PERF.md ("Expert parallelism in pretrain_gpt.py") has core_r0.18.0's pretrain_gpt.py
+  run on GPUs.
 * ``sonic_block_spec`` (a function ``fn(config, vp_stage=None)``; megatron-core >= 0.19 where
   ``GPTModelBuilder`` calls it): Megatron's ``default_layer_spec(config, vp_stage)`` swapped, so mixed
   dense/MoE layers, VPP and MTP follow the usual flags.

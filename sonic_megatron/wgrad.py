@@ -67,8 +67,8 @@ def main_grads_empty(params) -> bool:
     """Whether the params' ``main_grad`` buffers hold no gradient yet: Megatron DDP clears
     ``grad_added_to_main_grad`` where it zeroes the buffers (``zero_grad_buffer``, at every iteration's start),
     and only a fused accumulation sets it, so False on every param means zeros there. The weight GEMMs then
-    store into the buffers instead of adding (no read of the fp32 zeros: dW1 + dW2 at (T, D, F, E, K) = (8192,
-    2048, 768, 128, 8) 1.5 vs 2.3 ms on an H100). A param without the attribute (no DDP) is never taken as empty."""
+    store into the buffers instead of adding (no read of the fp32 zeros, measured faster: docs/PERF.md). A param
+    without the attribute (no DDP) is never taken as empty."""
     return all(getattr(p, "grad_added_to_main_grad", True) is False for p in params)
 
 

@@ -1,6 +1,6 @@
 """Backend ``cute`` on a Hopper GPU: every output and gradient vs a float64 reference.
 
-Rule (DEVELOPERS.md): err(cute) <= 2 * err(torch backend, same dtype, same GPU) + atol, with atol one
+Rule: err(cute) <= 2 * err(torch backend, same dtype, same GPU) + atol, with atol one
 rounding of the output dtype scaled to the reference's magnitude; errors are max-abs over the tensor.
 The caching allocator is filled with NaN before each cute launch (``_poison``), so any output element a
 kernel forgets to write shows up. Inputs are fresh random tensors (never zeros).

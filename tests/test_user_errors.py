@@ -312,7 +312,7 @@ def test_make_setup_keeps_an_installed_torch(have_torch, tmp_path):
 
 
 def test_token_rounding_warns_below_two_tiles_per_expert():
-    """Rounding with few routed pairs per expert is named with the numbers and the measured loss cost."""
+    """Rounding with few routed pairs per expert is named with its numbers and what to use instead."""
     from sonic_megatron.dispatcher import FEW_TILES_PER_EXPERT, few_tiles_message
 
     # 4096 tokens x top-8 / 256 experts = 128 pairs = 1 tile of 128

@@ -80,10 +80,9 @@ def all_to_all(
 
 def _group_all_to_all(group):
     """The process group's own all-to-all method, called directly: ``dist.all_to_all_single``'s Python wrapper
-    (torch-function dispatch, argument checks that hold here by construction, exception logging) cost ~25 us of
-    host time per call on the GPU machine, ~0.1 ms per interleaved step of a layer whose speed follows its host
-    (docs/PERF.md section 2). Whichever of ``all_to_all_single`` / ``alltoall_base`` (older
-    torch) the installed torch has."""
+    (torch-function dispatch, argument checks that hold here by construction, exception logging) costs host time
+    on every call, and the interleaved step's speed follows its host (docs/PERF.md, "Expert parallelism").
+    Whichever of ``all_to_all_single`` / ``alltoall_base`` (older torch) the installed torch has."""
     method = getattr(group, "all_to_all_single", None)
     return method if method is not None else group.alltoall_base
 

@@ -113,7 +113,7 @@ def _forward_with(prev, grad_prev_TD, x_TD, routing, w1_EGD, w2_EDF, caller, gro
 
         def launch_prev():
             # prev's dO all-to-all, launched inside this plan between its counts all-gather and the host's wait
-            # for it: the launch's host time (~0.1 ms) overlaps that wait instead of adding to the step's start,
+            # for it: the launch's host time overlaps that wait instead of adding to the step's start,
             # where the GPU waits for the host. It queues after the all-gather (small) on NCCL's stream.
             with torch.no_grad():
                 next(bwd)

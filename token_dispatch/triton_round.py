@@ -29,9 +29,8 @@ P = T*K + E*W the padded pair count (``rounded_pairs_bound``), B = ceil(T / 8) b
    score, an added pair's dense probability. The backward (``_decode_backward_kernel``) writes each gradient to
    the one score it came from (every pair is unique: plain stores, deterministic).
 
-H100, (T, E, K) = (16384, 256, 8), random routing, GPU time of the forward: 0.083 ms (cut 0.033, keys 0.024,
-placing 0.021, scan 0.004, scores 0.003); a sort of the kept and added pairs' keys in place of the scan and the
-placing kernel took 0.19 ms in an earlier version (docs/PERF.md, "Token rounding in the layer").
+No sort: a sort of the kept and added pairs' keys in place of the scan and the placing kernel was measured slower.
+Each kernel's GPU time and the variants that did not pay: docs/PERF.md ("Token rounding", "Tried, did not pay").
 """
 
 from __future__ import annotations
@@ -43,20 +42,15 @@ import triton.language as tl
 from ..kernels.routing import FlatRouting, RoutingMetadata, TopKRouting
 
 _MAX_BLOCK = 32768  # the longest row that _select_kernel's search holds in registers
-# tokens per step of _select_kernel's other passes over its row; H100 at (16384, 256): 1024 0.039 ms, 2048 0.034,
-# 4096 0.033, all 16384 at once 0.043-0.047 (more registers)
+# tokens per step of _select_kernel's other passes over its row: streaming the row in steps leaves the registers to
+# the search's keys; the whole row at once (more registers) and shorter steps were measured slower
 _STREAM_BLOCK = 4096
-# _keys_kernel's program: 32 experts x 128 tokens, tokens fastest, 4 warps. H100, _keys_kernel alone at (T, E) =
-# (16384, 256) / (16384, 128): 0.024 / 0.013 ms; tokens x experts tiles (experts fastest, the dense read's order)
-# took 0.054 / 0.026 ms; 16 x 256 tiles 0.029 / 0.015, 64 x 64 0.052 / 0.027, 32 x 128 on 8 warps 0.110 / 0.055,
-# 32 x 256 on 8 warps 0.026 / 0.013, 32 x 64 on 2 warps 0.024 / 0.011.
+# _keys_kernel's program: 32 experts x 128 tokens, tokens fastest (the [E, T] stores' order), 4 warps: the fastest
+# of the tilings measured, among them tokens x experts tiles in the dense read's order
 _KEYS_TOKENS, _KEYS_EXPERTS, _KEYS_WARPS = 128, 32, 4
 _MODES = {"nearest": 0, "up": 1, "down": 2}
-# _place_kernel's program: 8 tokens x 32 experts per step on one warp (tokens x experts, warps). H100, this kernel
-# alone at (T, E) = (16384, 256) / (16384, 128) / (8192, 256) / (32768, 256): 0.021 / 0.013 / 0.011 / 0.037 ms;
-# 16 x 128 x 4 0.022 / 0.014 / 0.014 / 0.045 (0.040 / 0.022 / 0.021 / 0.082 when it also gathered the scores: 255
-# registers), 16 x 32 x 1 0.022 / 0.013 / 0.016 / 0.033, 8 x 64 x 2 0.024 / 0.014 / 0.012 / 0.040, 8 x 128 x 4
-# 0.022 / 0.014 / 0.013 / 0.038, 16 x 64 x 2 0.027 / 0.016 / 0.013 / 0.044.
+# _place_kernel's program: 8 tokens x 32 experts per step on one warp (tokens x experts, warps): as fast as the
+# best of the larger tilings measured over the token and expert counts tried
 _PLACE_TOKENS, _PLACE_EXPERTS, _PLACE_WARPS = 8, 32, 1
 
 
@@ -183,9 +177,8 @@ def _select_kernel(
 ):
     # Only the search keeps the row in registers (IN_REGS: T <= BT; else its passes re-read it, SB tokens at a
     # time): the other passes stream SB tokens at a time, which leaves the registers to the keys, so that rows
-    # of up to 32768 tokens fit on 16 warps. H100, this kernel alone at (T, E) = (16384, 256) / (16384, 128) /
-    # (8192, 256) / (32768, 256): 0.033 / 0.022 / 0.017 / 0.080 ms; with [T] vectors in every pass (rows up to
-    # 16384 in registers, longer ones re-read per pass): 0.032 / 0.019 / 0.016 / 0.200 ms.
+    # of up to 32768 tokens fit on 16 warps (with [T] vectors in every pass, longer rows than half that had to be
+    # re-read per pass, much slower).
     e = tl.program_id(0)
     row_key = key_ptr + e.to(tl.int64) * T
     row_routed = routed_ptr + e.to(tl.int64) * T
@@ -217,7 +210,7 @@ def _select_kernel(
         # The search fixes thr bit by bit from the top: thr | bit stays if at least n keys are >= it. Bits where
         # the side's largest and smallest keys agree are fixed from those two (n <= the side's size), and the
         # search stops at the first candidate with exactly n keys at or above it: those are the n largest, with
-        # no tie across the cut (H100 (16384, 256): ~16 passes instead of 32 + 2).
+        # no tie across the cut (about half the passes of a search over all 32 bits on random routings).
         hi, lo_key = _extremes(keys, row_key, row_routed, want, T, n, SB, IN_REGS)
         bit = tl.full([], 2147483648, tl.uint32)
         while (bit != 0) & ((bit & (hi ^ lo_key)) == 0):
@@ -295,7 +288,7 @@ def _place_kernel(
     Positions and the scan are int32 (2P < 2^31), addresses int64. The programs also fill the pairs past the last
     token's with padding (token T, expert E, order -1: score 0; row = pair, gathering token T - 1), PAD_BLOCK at a
     time each; program 0 writes the experts' offsets. (The scores are read by ``_scores_kernel``: gathering them
-    here took the kernel to 255 registers and spills, 0.040 vs 0.021 ms at (16384, 256).)"""
+    here took the kernel to its register limit, with spills, and made it slower.)"""
     b = tl.program_id(0)
     t = b * BT + tl.arange(0, BT)
     t_ok = t < T

@@ -6,7 +6,9 @@ tunings use QuACK's own choice (``ops.py``).
 Where the heuristic comes from: QuACK's autotuner timed every valid config of each GEMM on an H100 at
 (T,d,n,E,K) = (24576,1536,256,128,8), (32768,2048,1024,64,8) and (32768,4096,1024,128,8); the tables are in
 docs/perf/quack-tiles-h100-2026-11-21.txt. Per GEMM we take the config that is best (or within 2 %) on the
-measured shapes, split by D or F where one config does not fit all; the comments give the evidence.
+measured shapes, split by D or F where one config does not fit all; where our own A/Bs disagreed with the
+autotuner, or for cases it did not time (fp32 main_grad outputs, whole-tile rows), docs/PERF.md ("Experts on one
+H100") gives the timings.
 Gathered operands need cluster_n = 1 (QuACK's requirement with A_idx) and gated epilogues tile_n % 32 == 0.
 """
 
@@ -58,32 +60,30 @@ def heuristic_config(
 def _tile_config(gemm: str, F: int, D: int, main_grad: str | None = None, rows_multiple: int = 0) -> GemmConfig:
     """The tile config of GEMM ``gemm`` (one of GEMMS) at expert size F (n) and hidden size D (d).
 
-    Each rule cites the measured cost relative to the best config at the three measured shapes
-    (D, F) = (1536, 256), (2048, 1024), (4096, 1024) (docs/perf/quack-tiles-h100-2026-11-21.txt)."""
+    Each rule names the config that was fastest (or within 2 % of it) at the three measured shapes
+    (D, F) = (1536, 256), (2048, 1024), (4096, 1024) (docs/perf/quack-tiles-h100-2026-11-21.txt), or that won
+    our own A/B where one is named (docs/PERF.md, "Experts on one H100")."""
     if main_grad and gemm in ("dw1", "dw2"):
         # fp32 main_grads make the weight GEMMs store-bound (every expert's weights written per micro-batch, and
-        # read too when adding: the epilogue loads the old values as the C operand). dW1 + dW2 ms on an H100 at
-        # (T, D, E, K) = (8192, 2048, *, 8), same tile for both, F 768 E 128 / F 512 E 256 (bf16 outputs: 1.11 /
-        # 1.05): add   P128x128 2.30 / 2.96, P128x192 2.34 / -, C128x256 2.37 / 2.72, C256x128 2.30 / 2.96;
-        #        store P128x128 1.71 / 1.69, P128x192 1.51 / -, C128x256 1.51 / 1.47, C256x128 1.71 / 1.68.
+        # read too when adding: the epilogue loads the old values as the C operand). Our A/B of dW1 + dW2 (same
+        # tile for both): adding, P128x128 is the fastest at F 768 and C128x256 at F 512; storing, C128x256.
         return _config("P", 128, 128) if main_grad == "add" and F >= 768 else _config("C", 128, 256)
     if gemm == "up":  # N = 2F, gathered X, SwiGLU epilogue: C128x256 best at all three
         return _config("C", 128, 256) if F >= 128 else _config("P", 128, 128)
-    if gemm == "down":  # N = D, contiguous A': P128x192c21 1.014 / 1.000 / 1.108; C256x128c12 1.010 / 1.016 / 1.000
+    if gemm == "down":  # N = D, contiguous A': P128x192c21 within 2 % of the best below D = 4096, C256x128c12 the
+        # best at D = 4096
         return _config("C", 256, 128, 1, 2) if D >= 4096 else _config("P", 128, 192)
-    if gemm == "dh":  # N = F, gathered dO, dSwiGLU epilogue: P128x128 1.000 / 1.036 / 1.127; C128x256 1.028 / 1 / 1
+    if gemm == "dh":  # N = F, gathered dO, dSwiGLU epilogue: P128x128 the best at F = 256, C128x256 at F = 1024
         return _config("C", 128, 256) if F >= 512 else _config("P", 128, 128)
-    if gemm == "dx":  # N = D, contiguous dH (W1 via concat_layout): P192x128c12 1 / 1 / 1.172 in QuACK's autotuning;
-        # at D = 4096 the autotuner's pick C256x128c12 is slower in ours (A/B, same run: fwd+bwd 536.8 vs 551.0 TF)
+    if gemm == "dx":  # N = D, contiguous dH (W1 via concat_layout): P192x128c12 the best at D = 1536 and 2048; at
+        # D = 4096 the autotuner's pick C256x128c12 lost our A/B to it
         if rows_multiple and rows_multiple % 128 == 0:
             # Row counts in multiples of 128 fill 128-row tiles (192-row ones waste a third of a tile per expert at
-            # 512 rows): dx of the rounded layer at (T, D, F, E, K) = (16384, 2048, 512, 256, 8), H100 (torch
-            # profiler, medians of 10 calls): P128x192c21 0.819 ms, P192x128c12 0.862, C128x256c21 0.847,
-            # C128x192c21 0.851, C256x128c12 0.871, P128x128c21 0.884
+            # 512 rows): P128x192c21 the fastest of six configs in our A/B of the rounded layer's dx
             return _config("P", 128, 192)
         return _config("P", 192, 128, 1, 2)
-    if gemm == "dw1":  # M = D, N = 2F, varlen-K gathered: C128x256 1 / 1.042 / 1.003; C256x192 1.108 / 1 / 1.037
-        # (A/B at D = 4096, same run: C128x256 565.6 vs C256x192 551.0 TF fwd+bwd)
+    if gemm == "dw1":  # M = D, N = 2F, varlen-K gathered: C256x192 the best at (2048, 1024), C128x256 at D = 1536
+        # and, in our A/B, at D = 4096
         return _config("C", 256, 192) if F >= 512 and D < 4096 else _config("C", 128, 256)
     if gemm == "dw2":  # M = D, N = F, varlen-K gathered: C128x256 best at all three
         return _config("C", 128, 256) if F >= 128 else _config("P", 128, 128)

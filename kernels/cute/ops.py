@@ -1,7 +1,7 @@
 """Backend ``cute``: SonicMoE's eight experts kernels on Hopper, with ``kernels/torch_backend.py``'s contract.
 
 Shape legend: see ``kernels/routing.py``; G = 2F (gated). The six grouped GEMMs are QuACK 0.4.1 CuTe-DSL
-kernels (SONICMOE.md sections 1-4); aggregation and the dX sum are our Triton ``gather_sum``:
+kernels (SonicMoE's design); aggregation and the dX sum are our Triton ``gather_sum``:
 
     up    gemm_gated  X rows gathered by x_gather_idx (varlen-M) x W1_e, SwiGLU epilogue stores H and A
     down  gemm        A x W2_e (varlen-M) -> Y, expert-sorted, contiguous
@@ -94,11 +94,9 @@ def _dynamic() -> bool:
     ones of a ``reserve_sms(n, gemms=k)`` context. They take every SM while the collective the reservation was
     made for may still hold some; their CTAs for those SMs start only when the collective's kernel ends, and with
     a fixed stride the tiles of those CTAs would then finish last, with the counter the CTAs already running take
-    them. Paired at EP 4 against the static scheduler everywhere (interleaved step, comm_sms 32): 0.07-0.12 ms
-    less at T = 16384, 0.87-1.12 ms less at T = 65536; the dynamic scheduler in every launch gained less in the
-    same A/B (0.04 vs 0.11 ms at T = 16384; docs/PERF.md section 2). Static elsewhere, where the counter's
-    zeroing costs a launch and saves nothing. Results are bitwise the same either way (every tile is computed
-    by one CTA, the same way)."""
+    them. Measured faster than the static scheduler in these launches and than the dynamic one in every launch
+    (docs/PERF.md, "Expert parallelism"). Static elsewhere, where the counter's zeroing costs a launch and saves
+    nothing. Results are bitwise the same either way (every tile is computed by one CTA, the same way)."""
     return past_reservation()
 
 

@@ -130,8 +130,8 @@ def _scheduler_now(recorded, ctx):
     )
 
 
-# The heuristic tuning's launches go through this cache: 18-20 us of host time per GEMM instead of 33-48 (an H200
-# host); the first call of a signature takes QuACK's own path and is recorded.
+# The heuristic tuning's launches go through this cache, which costs less host time per GEMM than QuACK's Python
+# path (docs/PERF.md, "Expert parallelism"); the first call of a signature takes QuACK's own path and is recorded.
 LAUNCHES = LaunchCache(
     (
         ("quack.gemm", "_compile_gemm"),
@@ -151,9 +151,8 @@ def gemm(config, semaphore, A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx, concat
     """out = A @ B, or out += A @ B with ``add_to_output``: ``out`` is also QuACK's C operand, whose tile the
     epilogue loads (TMA), adds to the accumulator and stores back. Each element is read and written once, by the
     one tile that owns it, so the sum is deterministic. Chosen over QuACK's TMA reduce-add store (``add_to_output``
-    in QuACK), which left the fp32 main_grad accumulation of the weight GEMMs 10-25 % slower on an H100: dW1 + dW2
-    at (T, D, K) = (8192, 2048, 8), best tile of each, 2.30 vs 2.57 ms (F 768, E 128) and 2.71 vs 3.27 ms (F 512,
-    E 256), bitwise equal results."""
+    in QuACK), which made the fp32 main_grad accumulation of the weight GEMMs slower for bitwise equal results
+    (docs/PERF.md, "End to end")."""
     C = out if add_to_output else None
     if add_to_output and concat_layout and "out" in concat_layout:
         concat_layout = (*concat_layout, "C")  # C is the same interleaved view as out

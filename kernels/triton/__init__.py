@@ -1,4 +1,4 @@
-"""Own Triton kernels for the memory-bound parts of the ``cute`` backend (SonicMoE section 1.2 and 1.5):
+"""Own Triton kernels for the memory-bound parts of the ``cute`` backend (as in SonicMoE):
 
     metadata.py    routing metadata (expert offsets and the three index arrays), device-side, no host sync
     gather_sum.py  deterministic fp32 gather-and-sum over each token's pairs: the forward aggregation

@@ -104,16 +104,14 @@ def gather_sum(
         return out_TD
     # Pairs per step: all K at once for top-K; for CSR routing the largest power of two <= the expected count,
     # so that a token with the usual count takes one full step and one with more an extra one (a step of the next
-    # power of two would mostly load masked lanes: 0.78 vs 0.41 ms for the two sums of a rounded routing at
-    # (T, D, K) = (16384, 2048, 8), H100).
+    # power of two would mostly load masked lanes, measured slower over rounded routings).
     if fixed_k:
         block_j = min(16, triton.next_power_of_2(fixed_k))
     else:
         block_j = min(16, 1 << (max(1, pairs_per_token).bit_length() - 1))
     block_d = min(triton.next_power_of_2(D), max(64, 8192 // block_j), 1024)
-    # One program walks all of a token's D-blocks (up to 8): H100 sweep at D = 1536 / 2048 / 4096 (T = 24576 /
-    # 32768, K = 8, docs/PERF.md section 1): 236 / 408 / 809 us weighted vs 248 / 425 /
-    # 839 us with one program per (token, D-block), within 0.5 % of sonic-moe's kernel on the same inputs.
+    # One program walks all of a token's D-blocks (up to 8): measured faster than one program per (token, D-block)
+    # and as fast as sonic-moe's kernel on the same inputs (docs/PERF.md, "Experts on one H100").
     n_blocks = triton.cdiv(D, block_d)
     d_tiles = min(n_blocks, 8)
     grid = (T, triton.cdiv(n_blocks, d_tiles))

@@ -1,4 +1,4 @@
-"""Routing metadata in four Triton launches, device-side and without a host sync (SonicMoE section 1.2).
+"""Routing metadata (SonicMoE's design) in four Triton launches, device-side and without a host sync.
 
 Shape legend: see ``kernels/routing.py``; additionally NT = number of pair tiles of BLOCK pairs.
 
@@ -25,8 +25,8 @@ from ..routing import RoutingMetadata
 
 _CHUNK = 16  # pairs compared against the whole tile per step (bounds the [CHUNK, BLOCK] compare in registers)
 # Launch parameters (results do not depend on them):
-# H100 (docs/PERF.md section 1): 128 / 256 x 8 is the fastest of six combinations at all four benchmark shapes, 31-36 %
-# less GPU time than the former 256 / 64 x 32 (e.g. 48.9 -> 33.6 us at T=24576, E=128, K=8).
+# 128 / 256 x 8 was the fastest of six combinations at every benchmark shape measured (docs/PERF.md, "Experts on one
+# H100").
 TILE_BLOCK = 128  # pairs per tile of the rank kernel (its work is R * TILE_BLOCK compares), grown for large E
 SCAN_BLOCK_T, SCAN_BLOCK_E = 256, 8  # the tile scan: tiles per step x experts per program (more programs, fewer steps)
 

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .topk_softmax import _kernel_runs_on  # CUDA, or CPU under the Triton interpreter
 
-_ROWS = 8  # rows per program: H100 at (T, E) = (16384, 256) fp32, see shared_softmax_bwd
+_ROWS = 8  # rows per program (fewer for wide rows, see shared_softmax_bwd)
 
 
 @triton.jit
