@@ -33,7 +33,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from .config import SonicConfig
 from .kernels import FlatRouting, TopKRouting
 from .router import as_topk
-from .token_dispatch import EPOptions, TokenRounding, combine, dispatch, make_plan, round_local
+from .token_dispatch import EPOptions, TokenRounding, combine, dispatch, finish_plan, round_local, start_plan
 
 # Token rounding moves up to rounding_tile - 1 pairs of every expert, a large share of an expert's batch when it
 # holds few tiles. Measured with nearest rounding (Megatron-LM pretrain_gpt.py, 200 iterations on the markov corpus,
@@ -149,7 +149,10 @@ class SonicTokenDispatcher(MoETokenDispatcher):
                 routing = round_local(routing, dense_probs_TE, num_experts=self.num_experts, rounding=rounding)
             self.plan = LocalPlan(routing)
             return x_TH, routing.scores_TK if isinstance(routing, TopKRouting) else routing.scores_R
-        self.plan = make_plan(
+        # The plan's device work and its sizes exchange are launched here; its host sync waits in token_dispatch,
+        # so that work a schedule queues in between (Megatron's 1F1B EP overlap: another micro-batch's backward)
+        # keeps the GPU busy while the host waits.
+        self.plan = start_plan(
             TopKRouting(scores_TK, idx_TK),
             num_experts=self.num_experts,
             group=self.group,
@@ -157,7 +160,7 @@ class SonicTokenDispatcher(MoETokenDispatcher):
             x_TD=x_TH,
             options=EPOptions(rounding=rounding, num_chunks=self.sonic.num_chunks),
         )
-        # The routing actually used (after rounding), with autograd to the router's probs.
+        # The routing actually used (after rounding: padded, real pairs first), with autograd to the router's probs.
         return x_TH, self.plan.scores_R
 
     @property
@@ -196,8 +199,13 @@ class SonicTokenDispatcher(MoETokenDispatcher):
             return hidden_states.clone(), probs.clone()
         if isinstance(self.plan, (PipelinedPlan, LocalPlan)):
             return hidden_states, probs
+        self.plan = finish_plan(self.plan)  # the host sync: the split sizes
         # Dispatch the scores Megatron passed in (under the 1F1B overlap schedule: a detached copy of the
-        # plan's scores), so autograd links between schedule nodes are only the tensors passed.
+        # plan's scores), so autograd links between schedule nodes are only the tensors passed. With rounding
+        # they were padded: the real pairs come first.
+        num_pairs = self.plan.scores_R.shape[0]
+        if probs.shape[0] != num_pairs:
+            probs = probs[:num_pairs]
         return dispatch(hidden_states, dataclasses.replace(self.plan, scores_R=probs))
 
     def dispatch_postprocess(self, hidden_states, probs):

@@ -252,6 +252,53 @@ def test_ep_rounding_plan_has_the_one_host_sync_of_a_plan_without_rounding():
         assert plain_kinds == ["collective", "sync", "collective", "collective"], plain_kinds
 
 
+def _split_plan_worker(rank, P):
+    from sonic_megatron.token_dispatch import finish_plan, start_plan
+    from sonic_megatron.token_dispatch.launch_count import LaunchCounter
+
+    p = problem([9 + 7 * r for r in range(P)], seed=4)
+    T_r = p["T_r"]
+    off, T = sum(T_r[:rank]), T_r[rank]
+    probs, routing = probs_and_routing(p["logits"][off : off + T])
+    out = {}
+    for name, rounding in (("plain", None), ("rounded", TokenRounding("nearest", 4))):
+        kw = dict(num_experts=E, group=dist.group.WORLD, rounding=rounding, rounding_scores_TE=probs)
+        whole = make_plan(routing, **kw)
+        with LaunchCounter() as started_lc:
+            started = start_plan(routing, **kw)
+        side_work = torch.ones(3)
+        dist.all_reduce(side_work)  # another collective between the two halves, as a schedule may queue
+        with LaunchCounter() as finished_lc:
+            split = finish_plan(started)
+        fields = ("send_rows", "send_pairs", "recv_rows", "recv_pairs")
+        tensors = ("token_idx_R", "expert_idx_R", "scores_R", "send_token_idx_S", "send_pair_idx", "combine_order_S")
+        out[name] = dict(
+            started=started_lc.summary(),
+            finished=finished_lc.summary(),
+            same_sizes=all(getattr(whole, f) == getattr(split, f) for f in fields),
+            same_tensors=all(torch.equal(getattr(whole, f), getattr(split, f)) for f in tensors),
+            same_recv=torch.equal(whole.recv_scores(), split.recv_scores())
+            and all(
+                torch.equal(a, b)
+                for m, n in zip(whole.recv_meta, split.recv_meta, strict=True)
+                for a, b in zip(m.tensors(), n.tensors(), strict=True)
+            ),
+            padded=started.scores_R.shape[0] >= split.scores_R.shape[0],
+        )
+    return out
+
+
+def test_split_plan_waits_only_in_finish_and_equals_make_plan():
+    """``start_plan`` launches the plan's collectives without a host sync; ``finish_plan`` holds the plan's one
+    sync; work queued between the two does not change the plan (with and without rounding, whose padded scores
+    ``finish_plan`` cuts to the real pairs)."""
+    for rank, res in enumerate(run_distributed(_split_plan_worker, 2)):
+        for name, r in res.items():
+            assert r["started"]["syncs"] == 0 and r["started"]["collectives"] >= 1, (rank, name, r)
+            assert r["finished"]["syncs"] == 1, (rank, name, r)
+            assert r["same_sizes"] and r["same_tensors"] and r["same_recv"] and r["padded"], (rank, name, r)
+
+
 def _duplicates_worker(rank, P, case):
     from sonic_megatron.token_dispatch import EPInputError
     from sonic_megatron.token_dispatch.launch_count import LaunchCounter

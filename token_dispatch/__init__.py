@@ -27,6 +27,9 @@ Refinements of the team contract (all contract names work as specified):
     (chunk, source rank), ``activation``) and, optionally, ``x_TD``, ``w1_EGD``, ``w2_EDF``: given, they are
     checked on every rank and compared across ranks in the plan's header exchange (a mismatch raises
     ``EPInputError`` on all ranks instead of hanging in an all-to-all).
+  * ``make_plan`` = ``finish_plan(start_plan(...))``: ``start_plan`` launches the plan's device work and its sizes
+    exchange without waiting, ``finish_plan`` holds the host sync; GPU work queued between the two runs while the
+    host waits (Megatron's dispatcher calls them in ``dispatch_preprocess`` and ``token_dispatch``).
   * ``expert_parallel_experts(..., return_plan=True)`` also returns the ``EPPlan``.
   * ``DeferredWeightGrad(sink=...)``: pass as ``EPOptions.wgrad``; ``wgrad.compute()`` runs the deferred dW GEMMs
     and hands each result to the sink (default: ``.grad``).
@@ -46,7 +49,7 @@ one counts exchange) and recv_side (+ triton_recv); rounding (+ triton_round), e
 from .interleave import EPForward, EPGrads, ep_backward, ep_forward, ep_forward_backward
 from .layer import expert_parallel_experts
 from .options import EPOptions
-from .plan import EPPlan, make_plan
+from .plan import EPPlan, StartedPlan, finish_plan, make_plan, start_plan
 from .rounding import ROUNDING_MODES, RoundingResult, TokenRounding, round_local, round_routing
 from .stepwise import combine, dispatch, local_experts
 from .validation import EPInputError
@@ -61,6 +64,7 @@ __all__ = [
     "EPOptions",
     "EPPlan",
     "RoundingResult",
+    "StartedPlan",
     "TokenRounding",
     "combine",
     "dispatch",
@@ -68,8 +72,10 @@ __all__ = [
     "ep_forward",
     "ep_forward_backward",
     "expert_parallel_experts",
+    "finish_plan",
     "local_experts",
     "make_plan",
     "round_local",
     "round_routing",
+    "start_plan",
 ]

@@ -18,10 +18,13 @@ receiver turns them into routing metadata over its L local experts whose "tokens
      header can report it;
   3. send side (``send_side.py``), on the device before the sync, sized by R (the padded size with rounding:
      padding pairs have no destination and count nothing) and sliced after it;
-  4. sizes (``sizes.py``): ONE all-gather of header + per (chunk, destination) counts, the caller's
-     ``before_sync`` while it travels (``ep_forward_backward`` launches the previous micro-batch's dO all-to-all
-     there), ONE host copy, the header check -- the plan's one host sync, with or without rounding; the real
-     rounded pair count is this rank's sent pair count, so the padding is cut off with no further sync;
+  4. sizes (``sizes.py``): ONE all-gather of header + per (chunk, destination) counts and its copy to the host
+     are launched (``start_plan`` ends here: nothing has waited yet); the caller queues other work while it
+     travels (``before_sync``: ``ep_forward_backward`` launches the previous micro-batch's dO all-to-all there;
+     Megatron's method split: whatever its schedule runs between dispatch_preprocess and token_dispatch), then
+     ``finish_plan`` waits for that copy alone and checks the header -- the plan's one host sync, with or without
+     rounding; the real rounded pair count is this rank's sent pair count, so the padding is cut off with no
+     further sync;
   5. receive side (``recv_side.py``): the pair-metadata all-to-alls (one per chunk) are launched and NOT waited
      for; the caller launches its row all-to-alls and only then touches ``plan.recv_meta`` /
      ``plan.recv_scores()``, which wait for them and build the receive metadata while the rows travel.
@@ -41,7 +44,14 @@ from .options import EPOptions, parse_options
 from .recv_side import IncomingPairs, launch_pair_all_to_alls, recv_metadata, scores_from_columns
 from .rounding import RoundingResult, TokenRounding, round_routing_padded
 from .send_side import build_send_side, flat_routing
-from .sizes import counts_slot, exchange_header_and_counts, pair_base, split_sizes
+from .sizes import (
+    SizesInFlight,
+    counts_slot,
+    launch_header_and_counts,
+    pair_base,
+    receive_header_and_counts,
+    split_sizes,
+)
 
 
 @dataclass
@@ -207,6 +217,29 @@ class EPPlan:
         return rows, pairs
 
 
+@dataclass(frozen=True)
+class StartedPlan:
+    """A plan up to its host sync (``start_plan``): steps 1-3 done on the device, the sizes exchange in flight.
+    ``finish_plan`` waits for it. ``scores_R`` is the routing's flat scores (with rounding: padded to a host-known
+    size, real pairs first); the finished plan's ``scores_R`` is its first ``num_pairs`` entries."""
+
+    group: object
+    rank: int
+    world_size: int
+    num_experts: int
+    num_local_experts: int
+    num_chunks: int
+    num_tokens: int
+    by_source: bool
+    error: str | None
+    token_idx_R: torch.Tensor | None
+    expert_idx_R: torch.Tensor | None
+    scores_R: torch.Tensor | None
+    rounded: RoundingResult | None
+    side: object
+    sizes: SizesInFlight
+
+
 def make_plan(
     routing: TopKRouting | FlatRouting,
     *,
@@ -239,8 +272,40 @@ def make_plan(
             also split by source rank: ``EPPlan.num_stages`` = N * P) and ``activation``; all must be equal on
             every rank (checked).
     """
+    started = start_plan(
+        routing,
+        num_experts=num_experts,
+        group=group,
+        rounding_scores_TE=rounding_scores_TE,
+        x_TD=x_TD,
+        w1_EGD=w1_EGD,
+        w2_EDF=w2_EDF,
+        options=options,
+        **option_kw,
+    )
+    if before_sync is not None:
+        before_sync()
+    return finish_plan(started)
+
+
+def start_plan(
+    routing: TopKRouting | FlatRouting,
+    *,
+    num_experts: int,
+    group=None,
+    rounding_scores_TE: torch.Tensor | None = None,
+    x_TD: torch.Tensor | None = None,
+    w1_EGD: torch.Tensor | None = None,
+    w2_EDF: torch.Tensor | None = None,
+    options: EPOptions | None = None,
+    **option_kw,
+) -> StartedPlan:
+    """``make_plan`` up to its host sync: the device work and the collectives are launched, nothing waits.
+    ``finish_plan`` completes it; GPU work queued in between runs while the host waits there (Megatron's method
+    split calls this in ``dispatch_preprocess`` and ``finish_plan`` in ``token_dispatch``). Arguments as
+    ``make_plan``."""
     opts, error = parse_options("make_plan", options, option_kw)
-    return plan_layer(
+    return _start_plan(
         routing,
         opts,
         num_experts=num_experts,
@@ -250,7 +315,6 @@ def make_plan(
         w1_EGD=w1_EGD,
         w2_EDF=w2_EDF,
         options_error=error,
-        before_sync=before_sync,
     )
 
 
@@ -268,6 +332,36 @@ def plan_layer(
     before_sync: Callable[[], object] | None = None,
 ) -> EPPlan:
     """``make_plan`` with validated options; ``options_error`` (a caller's bad option) raises on every rank."""
+    started = _start_plan(
+        routing,
+        options,
+        num_experts=num_experts,
+        group=group,
+        rounding_scores_TE=rounding_scores_TE,
+        x_TD=x_TD,
+        w1_EGD=w1_EGD,
+        w2_EDF=w2_EDF,
+        options_error=options_error,
+    )
+    if before_sync is not None:
+        before_sync()
+    return finish_plan(started)
+
+
+def _start_plan(
+    routing: TopKRouting | FlatRouting,
+    options: EPOptions,
+    *,
+    num_experts: int,
+    group,
+    rounding_scores_TE: torch.Tensor | None,
+    x_TD: torch.Tensor | None,
+    w1_EGD: torch.Tensor | None,
+    w2_EDF: torch.Tensor | None,
+    options_error: str | None = None,
+) -> StartedPlan:
+    """Steps 1-3 and the launch of step 4's exchange: device work and collectives only, no host wait. Every rank
+    launches the same collectives, also with bad input (the error rides in the header)."""
     P, rank = group_size(group), group_rank(group)
     T = V.routing_num_tokens(routing)
     rounding, by_source = options.rounding, options.by_source
@@ -326,22 +420,9 @@ def plan_layer(
     if error is None:
         topk = routing if isinstance(routing, TopKRouting) and rounding is None else None
         side = build_send_side(tok_R, exp_R, scores_R, T, L, P, N, topk, padded=rounding is not None)
-    # 4. sizes: header + counts, the one host sync of a plan (with or without rounding)
-    counts_host, counts_PW = exchange_header_and_counts(
-        hdr,
-        counts_slot(side, P, N, device),
-        local_error=error,
-        group=group,
-        num_experts=num_experts,
-        before_sync=before_sync,
-    )
-    sizes = split_sizes(counts_host, counts_PW, rank=rank, num_chunks=N)
-    S = sum(map(sum, sizes.send_rows))
-    R = sum(map(sum, sizes.send_pairs))  # every real pair is sent (to this rank too); padding pairs are not
-    if rounded is not None:  # the real rounded pairs come first: cut the padding off, on the host
-        tok_R, exp_R, scores_R = tok_R[:R], exp_R[:R], scores_R[:R]
-        rounded = replace(rounded, token_idx_R=tok_R, expert_idx_R=exp_R, scores_R=scores_R)
-    plan = EPPlan(
+    # 4a. sizes: header + counts launched towards the host
+    sizes = launch_header_and_counts(hdr, counts_slot(side, P, N, device), group)
+    return StartedPlan(
         group=group,
         rank=rank,
         world_size=P,
@@ -349,6 +430,39 @@ def plan_layer(
         num_local_experts=L,
         num_chunks=N,
         num_tokens=T,
+        by_source=by_source,
+        error=error,
+        token_idx_R=tok_R,
+        expert_idx_R=exp_R,
+        scores_R=scores_R,
+        rounded=rounded,
+        side=side,
+        sizes=sizes,
+    )
+
+
+def finish_plan(started: StartedPlan) -> EPPlan:
+    """Step 4's host sync (the plan's one: the header check raises here on every rank) and step 5."""
+    s, P, N = started, started.world_size, started.num_chunks
+    counts_host, counts_PW = receive_header_and_counts(
+        s.sizes, local_error=s.error, group=s.group, num_experts=s.num_experts
+    )
+    sizes = split_sizes(counts_host, counts_PW, rank=s.rank, num_chunks=N)
+    S = sum(map(sum, sizes.send_rows))
+    R = sum(map(sum, sizes.send_pairs))  # every real pair is sent (to this rank too); padding pairs are not
+    tok_R, exp_R, scores_R, rounded = s.token_idx_R, s.expert_idx_R, s.scores_R, s.rounded
+    if rounded is not None:  # the real rounded pairs come first: cut the padding off, on the host
+        tok_R, exp_R, scores_R = tok_R[:R], exp_R[:R], scores_R[:R]
+        rounded = replace(rounded, token_idx_R=tok_R, expert_idx_R=exp_R, scores_R=scores_R)
+    side = s.side
+    plan = EPPlan(
+        group=s.group,
+        rank=s.rank,
+        world_size=P,
+        num_experts=s.num_experts,
+        num_local_experts=s.num_local_experts,
+        num_chunks=N,
+        num_tokens=s.num_tokens,
         token_idx_R=tok_R,
         expert_idx_R=exp_R,
         scores_R=scores_R,
@@ -361,11 +475,11 @@ def plan_layer(
         recv_rows=sizes.recv_rows,
         recv_pairs=sizes.recv_pairs,
         rounding=rounded,
-        by_source=by_source,
+        by_source=s.by_source,
     )
     # 5. receive side: the pair metadata leaves now, not waited for (``plan.recv_meta`` waits on first use)
     plan._incoming = launch_pair_all_to_alls(
-        side.pair_meta_RC, sizes.send_pairs, sizes.recv_pairs, sizes.counts_PW, group
+        side.pair_meta_RC, sizes.send_pairs, sizes.recv_pairs, sizes.counts_PW, group=s.group
     )
     return plan
 

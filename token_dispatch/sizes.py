@@ -2,6 +2,8 @@
 host sync. It carries this rank's validation header (``validation.py``) and its per (chunk, destination) send
 row and pair counts; every rank reads everyone's, so it knows its send AND receive split sizes (host ints, as
 ``all_to_all_single`` needs) and every rank raises the same error for bad input anywhere in the group.
+Launching the exchange (``launch_header_and_counts``) and waiting for it (``receive_header_and_counts``) are two
+calls, so that a caller can queue GPU work between them: the host then waits while that work runs.
 
 Shape legend (as ``send_side.py``): H = ``validation.HEADER_LEN`` header fields; the counts are sized for
 ``validation.MAX_CHUNKS`` chunks, so ranks that pass different ``num_chunks`` still exchange equal sizes (the
@@ -11,7 +13,6 @@ c * P + destination, pair counts at ``PAIR_BASE(P)`` + c * P + destination.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,24 +48,39 @@ def counts_slot(side: SendSide | None, world_size: int, num_chunks: int, device)
     return [side.rows_NP, pad, side.pairs_NP, pad]
 
 
-def exchange_header_and_counts(
-    header: list[torch.Tensor],
-    counts: list[torch.Tensor],
-    *,
-    local_error: str | None,
-    group,
-    num_experts: int,
-    before_sync: Callable[[], object] | None,
+@dataclass(frozen=True)
+class SizesInFlight:
+    """The header + counts all-gather on its way to the host (``launch_header_and_counts``): ``device`` [P, H + W]
+    on the device; on CUDA ``host`` is pinned memory its non-blocking copy fills and ``ready`` the event recorded
+    after that copy, so the host waits for this exchange alone, not for the work queued after it."""
+
+    device: torch.Tensor
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+
+
+def launch_header_and_counts(header: list[torch.Tensor], counts: list[torch.Tensor], group) -> SizesInFlight:
+    """Launch the all-gather of every rank's header + counts and its copy to the host; no host wait."""
+    gathered = all_gather(torch.cat([*header, *counts]), group)
+    if not gathered.is_cuda:
+        return SizesInFlight(gathered, gathered, None)
+    host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+    host.copy_(gathered, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return SizesInFlight(gathered, host, ready)
+
+
+def receive_header_and_counts(
+    sizes: SizesInFlight, *, local_error: str | None, group, num_experts: int
 ) -> tuple[list[list[int]], torch.Tensor]:
-    """The all-gather of every rank's header + counts, ``before_sync`` while it travels, the host copy, and the
-    header check (raises the same ``EPInputError`` on every rank). Returns (counts [P][W] host ints, the same
-    counts [P, W] on the device)."""
-    gathered_dev = all_gather(torch.cat([*header, *counts]), group)
-    if before_sync is not None:
-        before_sync()
-    gathered = gathered_dev.tolist()  # the host sync
+    """The plan's host sync: wait for ``sizes``, then the header check (raises the same ``EPInputError`` on every
+    rank). Returns (counts [P][W] host ints, the same counts [P, W] on the device)."""
+    if sizes.ready is not None:
+        sizes.ready.synchronize()
+    gathered = sizes.host.tolist()  # the host sync (on CUDA the event above already waited)
     V.check_headers([g[: V.HEADER_LEN] for g in gathered], local_error, group, num_experts)
-    return [g[V.HEADER_LEN :] for g in gathered], gathered_dev[:, V.HEADER_LEN :]
+    return [g[V.HEADER_LEN :] for g in gathered], sizes.device[:, V.HEADER_LEN :]
 
 
 def split_sizes(counts_host: list[list[int]], counts_PW: torch.Tensor, *, rank: int, num_chunks: int) -> SplitSizes:
