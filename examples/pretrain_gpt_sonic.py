@@ -9,6 +9,9 @@ It needs no Megatron-LM checkout and no megatron.training (same code on megatron
 the plugin with Megatron-LM's own ``pretrain_gpt.py`` instead, see examples/README.md (``--spec``).
 Mock data: a learnable synthetic token stream (``sonic_megatron.gpt.synthetic_batch``), so the loss falls.
 On a CPU it runs over gloo with the torch backend (fp32; the EP overlap needs bf16 on GPUs).
+Each process takes GPU ``LOCAL_RANK`` of those it sees, so two torchrun "nodes" on one host need disjoint
+``CUDA_VISIBLE_DEVICES`` (examples/train_multi_node.sh sets them). ``--deterministic --param-checksum`` is what
+scripts/two_node_check.sh compares: the same run as 1 node x N and 2 nodes x N/2 processes.
 """
 
 from __future__ import annotations
@@ -43,6 +46,17 @@ def parse_args(argv=None):
     )
     p.add_argument("--use-distributed-optimizer", action="store_true", help="shard optimizer states over DP")
     p.add_argument("--json", default=None, help="write losses and throughput as JSON (rank 0)")
+    p.add_argument("--seed", type=int, default=1234, help="seed of the weights (and Megatron's model-parallel RNG)")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="torch.use_deterministic_algorithms (warn only) and CUBLAS_WORKSPACE_CONFIG, for run-to-run equal losses",
+    )
+    p.add_argument(
+        "--param-checksum",
+        action="store_true",
+        help="print (and put in --json) a SHA-256 of every rank's parameters after the last step",
+    )
     return p.parse_args(argv)
 
 
@@ -55,15 +69,23 @@ def main(argv=None) -> int:
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     os.environ.setdefault("MASTER_PORT", "29577")
+    if args.deterministic:  # before the first cuBLAS handle
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     device = init_distributed(rank, world, local_rank=int(os.environ.get("LOCAL_RANK", rank)))
+    if args.deterministic:
+        import torch
+
+        torch.use_deterministic_algorithms(True, warn_only=True)
     ep = args.ep or world
-    init_model_parallel(ep=ep)
+    init_model_parallel(ep=ep, seed=args.seed)
     res = train(args, device, ep)
     if rank == 0:
         print(
             f"done: loss {res['losses'][0]:.3f} -> {res['losses'][-1]:.3f}, {res['tokens_per_s_per_gpu']:.0f} "
             f"tokens/s/GPU, peak memory {res['peak_memory_mib']:.0f} MiB"
         )
+        if "param_checksum" in res:
+            print(f"param checksum {res['param_checksum']}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"args": vars(args), "world": world, "ep": ep, **res}, f, indent=2)
@@ -95,7 +117,7 @@ def train(args, device, ep: int) -> dict:
         delay_wgrad_compute=args.delay_wgrad_compute,
     )
     sonic = SonicConfig.resolve(SonicConfig(backend="auto" if cuda else "torch", comm_sms=args.comm_sms))
-    torch.manual_seed(1234)
+    torch.manual_seed(args.seed)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(config, args.spec, sonic),
@@ -184,12 +206,33 @@ def train(args, device, ep: int) -> dict:
         losses.append(float(total[0] / total[1]))
         log(f"step {step + 1:4d}/{args.steps}  lm loss {losses[-1]:.4f}  step {times[-1] * 1e3:.0f} ms")
     timed = times[1:] or times
-    return {
+    res = {
         "losses": losses,
         "step_ms": [t * 1e3 for t in times],
         "tokens_per_s_per_gpu": tokens_per_step / (sum(timed) / len(timed)),
         "peak_memory_mib": peak_memory_mib(device),
     }
+    if args.param_checksum:
+        res["param_checksum"] = param_checksum(model)
+    return res
+
+
+def param_checksum(model) -> str:
+    """SHA-256 over the ranks' SHA-256s of their parameters (name, shape, dtype and bytes, in module order):
+    equal exactly when every rank holds bitwise the same parameters. Collective: every rank calls it."""
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        t = p.detach().contiguous().cpu()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, h.hexdigest())
+    return hashlib.sha256(",".join(digests).encode()).hexdigest()
 
 
 def _cpu_forward_backward(forward_step, data_iterator, model, num_microbatches: int) -> list[dict]:
