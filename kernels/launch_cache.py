@@ -3,7 +3,8 @@
 Why: QuACK's Python entry points (``gemm_tuned.fn`` -> ``gemm`` / ``gemm_act`` / ``gemm_dact``) spend several
 times the host time of the TVM-FFI launch they wrap -- shape checks, layout permutes, a 30-field compile-cache
 key, the argument NamedTuples. The expert-parallel layer is host-bound and its slowest rank's host paces every
-all-to-all, and an interleaved step makes six such calls (timings: docs/PERF.md, "Expert parallelism").
+all-to-all, and a micro-batch's forward and backward make six such calls (timings: docs/PERF.md, "Expert
+parallelism").
 
 How: the first call of a signature runs QuACK's own path while a spy on QuACK's compile-cache functions records
 the compiled kernel and the exact arguments it was launched with. Each tensor among them is matched to the

@@ -5,7 +5,8 @@ QuACK's grid size through ``take_reservation``); the torch backend's kernels are
 Results never depend on it: only how many CTAs share a GEMM's tiles changes.
 
 ``reserve_sms(n, gemms=k)`` reserves only in the first k GEMMs launched inside: for a phase whose collective is
-shorter than the phase (two micro-batches interleaved), the later GEMMs take every SM. A CTA keeps its SM until
+shorter than the phase (another micro-batch's all-to-all beside it, under Megatron's 1F1B EP overlap), the later
+GEMMs take every SM. A CTA keeps its SM until
 it ends, so a NCCL kernel that started beside the first GEMM keeps running beside the next one, whose surplus CTAs
 wait for it; that costs less than running the whole phase on fewer SMs when the collective ends early in it. The
 cute backend launches those later GEMMs (``past_reservation()``) with QuACK's dynamic tile scheduler, so the CTAs

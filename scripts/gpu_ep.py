@@ -8,10 +8,10 @@
 Each step runs as its own torchrun with a time limit; a failing or timed-out step is reported in
 $OUT/gpu_ep_summary.json and the next step still runs. The whole pass stays under TOTAL_S (default 470 s).
 Env: OUT, TOTAL_S, CACHE (QuACK/Triton compile caches, as scripts/gpu_experts.sh), EP_BACKEND (default auto),
-EP_CHUNKS (bench layer schedules at EP 4, default 1,1i; ``Ns`` = by source, ``Ni`` = two micro-batches
-interleaved), EP_COMM_SMS (default 0,32), EP_BIG_TOKENS (the GPU-bound size at EP 4, default 65536; empty: skip),
-EP_BIG_CHUNKS (its schedules, default 1,1i), EP_LAYER_EP2=0 (skip bench layer at EP 2), EP_CHUNKS_EP2 (its
-schedules, default 1,1i), EP_LAYER_EXTRA (more bench layer arguments, default "--iters 40 --sm-reservation auto,all").
+EP_CHUNKS (bench layer chunk counts at EP 4, default 1), EP_COMM_SMS (default 0,32), EP_BIG_TOKENS (the GPU-bound
+size at EP 4, default 65536; empty: skip), EP_BIG_CHUNKS (its chunk counts, default 1,4), EP_LAYER_EP2=0 (skip
+bench layer at EP 2), EP_CHUNKS_EP2 (its chunk counts, default 1), EP_LAYER_EXTRA (more bench layer arguments,
+default "--iters 40").
 EP_CHECK_CPU=1 runs the pass on CPU/gloo at tiny sizes with the torch backend (to test this script:
 ``EP_CHECK_CPU=1 EP_BIG_TOKENS= python scripts/gpu_ep.py``).
 
@@ -21,8 +21,8 @@ nothing), a rank without tokens, and flat routing:
   * EP output and every gradient (x, router logits, w1, w2) vs the float64 reference on the concatenated
     tokens: RMS and max error at most 2x PyTorch's bf16 error (+ eps/4, eps of the largest value);
   * EP == the single-process kernels (same backend) on the concatenation, reported (max relative diff);
-  * num_chunks=2 + redispatch + deferred wgrad, and by_source (+ comm_sms, chunks 2, deferred wgrad) within
-    the same criterion; repeated runs bitwise equal;
+  * num_chunks=2 + redispatch + deferred wgrad, and comm_sms (+ chunks 2, deferred wgrad) within the same
+    criterion; repeated runs bitwise equal;
   * token rounding (nearest, tile 128): every local expert's received count a multiple of 128, and the
     decision equal to single-process rounding of the concatenation.
 """
@@ -97,13 +97,13 @@ def drive() -> int:
         config = ["--tokens", "256", "--hidden", "64", "--ffn", "32", "--experts", "8", "--topk", "2"]
         config += ["--device", "cpu"]
         backend = "torch"
-    chunks = os.environ.get("EP_CHUNKS", "1,1i")  # bench layer schedules (N, Ns = by source, Ni = interleaved)
+    chunks = os.environ.get("EP_CHUNKS", "1")  # bench layer chunk counts
     comm_sms = os.environ.get("EP_COMM_SMS", "0,32")
     big = os.environ.get("EP_BIG_TOKENS", "65536")  # a GPU-bound size as well ("" = skip)
-    big_chunks = os.environ.get("EP_BIG_CHUNKS", "1,1i")
-    ep2_chunks = os.environ.get("EP_CHUNKS_EP2", "1,1i")
+    big_chunks = os.environ.get("EP_BIG_CHUNKS", "1,4")
+    ep2_chunks = os.environ.get("EP_CHUNKS_EP2", "1")
     layer = [*bench, "layer", "--backend", backend, "--comm-sms", comm_sms]
-    layer += os.environ.get("EP_LAYER_EXTRA", "--iters 40 --sm-reservation auto,all").split()
+    layer += os.environ.get("EP_LAYER_EXTRA", "--iters 40").split()
     layer_ep4 = [*layer, *config, "--chunks", chunks, "--json", f"{out}/layer_ep4.json"]
     steps = [
         ("check_ep2", torchrun(2, __file__, "check", "--out", out), 110),
@@ -276,8 +276,8 @@ def check(out: str) -> int:
         ("empty_rank", {}),
         ("flat", {}),
         ("random", {"num_chunks": 2, "redispatch_x_in_backward": True, "deferred": True}),
-        ("skewed", {"by_source": True, "comm_sms": 16}),
-        ("empty_rank", {"by_source": True, "num_chunks": 2, "comm_sms": 32, "deferred": True}),
+        ("skewed", {"comm_sms": 16}),
+        ("empty_rank", {"num_chunks": 2, "comm_sms": 32, "deferred": True}),
     ]
     for i, (kind, opts) in enumerate(variants):
         label = "+".join([kind] + [k if v is True else f"{k}{v}" for k, v in opts.items()])

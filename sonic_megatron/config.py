@@ -29,8 +29,12 @@ from dataclasses import dataclass, fields
 
 import torch.nn.functional as F
 
+from .token_dispatch.rounding import NO_ROUNDING, check_mode, check_tile
+from .token_dispatch.rounding import ROUNDING_MODES as TOKEN_ROUNDING_MODES
+from .token_dispatch.validation import MAX_CHUNKS
+
 DISPATCHERS = ("sonic", "megatron")
-ROUNDING_MODES = ("none", "nearest", "up", "down")
+ROUNDING_MODES = (NO_ROUNDING, *TOKEN_ROUNDING_MODES)  # SonicConfig.token_rounding: off, or a TokenRounding mode
 ENV_PREFIX = "SONIC_MEGATRON_"
 # SONIC_MEGATRON_* variables that are not SonicConfig fields but are read elsewhere; any other name with the
 # prefix is rejected by SonicConfig.resolve. Keep this in step with the os.environ reads under kernels/,
@@ -49,8 +53,10 @@ class SonicConfig:
     """Options of the sonic-megatron MoE layer.
 
     Attributes:
-        backend: experts backend of ``sonic_megatron.kernels``: ``auto`` (``cute`` on Hopper GPUs, else
-            ``torch``), ``torch`` (plain PyTorch, any device) or ``cute`` (Hopper only; fails elsewhere).
+        backend: experts backend of ``sonic_megatron.kernels``, decided per layer when it is built
+            (``layer_options.layer_backend``): ``auto`` (``cute`` where it runs the layer, else ``torch`` with one
+            warning naming the reason), ``torch`` (plain PyTorch, any device) or ``cute`` (Hopper; a layer it cannot
+            run fails at build, naming the reason).
         dispatcher: ``sonic`` (default): tokens travel through ``sonic_megatron.token_dispatch`` (each token
             crosses to a rank once however many of its experts live there; token rounding and chunked overlap
             available). ``megatron``: keep Megatron's dispatcher chosen by ``--moe-token-dispatcher-type``
@@ -65,16 +71,14 @@ class SonicConfig:
             average fewer than 2 tiles of routed pairs per micro-batch.
         rounding_tile: the multiple used by token rounding (the GEMM M tile; 128 on Hopper).
         num_chunks: pipeline the dispatch/experts/combine of a layer in this many chunks so that one chunk's
-            all-to-all overlaps another's GEMMs (``dispatcher='sonic'``; 1 = no chunking). With N > 1 (or
+            all-to-all overlaps another's GEMMs (``dispatcher='sonic'``; 1 = no chunking, at most 16:
+            token_dispatch's ``MAX_CHUNKS``). With N > 1 (or
             ``redispatch_x_in_backward``) the layer runs dispatch + experts + combine as one pipelined call
             inside ``routed_experts_compute`` (Megatron's dispatch/combine steps pass tensors through), so it
             cannot be combined with ``--overlap-moe-expert-parallel-comm`` (rejected at construction).
         redispatch_x_in_backward: cache only this rank's input tokens and dispatch them again in backward
             instead of keeping the received tokens (saves activation memory, costs one all-to-all; pipelined
             mode as above).
-        by_source: pipeline every chunk by source rank as well: this rank's own tokens first (no
-            communication), then one point-to-point exchange per peer, each overlapping the previous one's
-            GEMMs (``dispatcher='sonic'``; pipelined mode as above).
         comm_sms: SMs the expert GEMMs leave free while an all-to-all of the pipelined mode is in flight, so
             that NCCL's kernel can run beside QuACK's persistent GEMMs (``cute`` backend; 0 = all SMs to the
             GEMMs). NCCL needs one SM per channel; pick by ``bench layer --comm-sms``. Also used under Megatron's
@@ -95,7 +99,6 @@ class SonicConfig:
     rounding_tile: int = 128
     num_chunks: int = 1
     redispatch_x_in_backward: bool = False
-    by_source: bool = False
     comm_sms: int = 0
     pair_weight_grads: bool = True
 
@@ -104,12 +107,13 @@ class SonicConfig:
 
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("dispatcher", self.dispatcher, DISPATCHERS)
-        _check_choice("token_rounding", self.token_rounding, ROUNDING_MODES)
-        _check_int("rounding_tile", self.rounding_tile, minimum=1)
-        _check_int("num_chunks", self.num_chunks, minimum=1)
+        # token rounding: TokenRounding's own rules (its modes, or "none" for off; its tile check)
+        check_mode("SonicConfig.token_rounding", self.token_rounding, off=NO_ROUNDING)
+        check_tile("SonicConfig.rounding_tile", self.rounding_tile)
+        # token_dispatch's bound (EPOptions.num_chunks): the counts exchange is sized for MAX_CHUNKS chunks
+        _check_int("num_chunks", self.num_chunks, minimum=1, maximum=MAX_CHUNKS)
         _check_int("comm_sms", self.comm_sms, minimum=0)
         _check_bool("redispatch_x_in_backward", self.redispatch_x_in_backward)
-        _check_bool("by_source", self.by_source)
         _check_bool("pair_weight_grads", self.pair_weight_grads)
         if self.dispatcher == "megatron" and self.token_rounding != "none":
             raise ValueError(
@@ -118,14 +122,12 @@ class SonicConfig:
                 "(DeepEP re-derives top-K from the probs)"
             )
         if self.dispatcher == "megatron" and self.pipelined:
-            raise ValueError(
-                "SonicConfig.num_chunks > 1, by_source and redispatch_x_in_backward need dispatcher='sonic'"
-            )
+            raise ValueError("SonicConfig.num_chunks > 1 and redispatch_x_in_backward need dispatcher='sonic'")
 
     @property
     def pipelined(self) -> bool:
         """Dispatch, experts and combine run as one pipelined call (see ``num_chunks``)."""
-        return self.num_chunks > 1 or self.by_source or self.redispatch_x_in_backward
+        return self.num_chunks > 1 or self.redispatch_x_in_backward
 
     @property
     def rounding_enabled(self) -> bool:
@@ -142,6 +144,7 @@ class SonicConfig:
         base = base if base is not None else cls()
         environ = os.environ if environ is None else environ
         check_env_names(environ)
+        check_kernel_env(environ)
         changes, applied = {}, []
         for f in fields(cls):
             name = env_var(f.name)
@@ -185,16 +188,27 @@ def check_env_names(environ) -> None:
     )
 
 
+def check_kernel_env(environ) -> None:
+    """Raise ValueError for a bad value of the kernels' variables (``SONIC_MEGATRON_CUTE_TUNING``,
+    ``SONIC_MEGATRON_CUTE_TILES``), naming the variable, what it takes and what it got. Parsed by
+    ``kernels.options`` (no QuACK needed), so a bad value fails when the layer is built on any machine, not only
+    where the ``cute`` backend is imported."""
+    from .kernels.options import KernelOptions
+
+    KernelOptions.from_env(environ)
+
+
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"SonicConfig.{name} must be one of {choices}, got {value!r} ({type(value).__name__})")
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
+def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> None:
+    rule = f"an int >= {minimum}" if maximum is None else f"an int in [{minimum}, {maximum}]"
     if isinstance(value, bool) or not isinstance(value, int):  # bool subclasses int: True would pass as 1
-        raise TypeError(f"SonicConfig.{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"SonicConfig.{name} must be an int >= {minimum}, got {value!r}")
+        raise TypeError(f"SonicConfig.{name} must be {rule}, got {value!r} ({type(value).__name__})")
+    if value < minimum or (maximum is not None and value > maximum):
+        raise ValueError(f"SonicConfig.{name} must be {rule}, got {value!r}")
 
 
 def _check_bool(name: str, value: object) -> None:
@@ -250,6 +264,16 @@ def _reject(option: str, value: object, why: str) -> None:
     raise ValueError(f"sonic_megatron does not support {option}={value!r}: {why}")
 
 
+def _check_router_topk(topk, num_experts: int) -> None:
+    """Each token picks ``topk`` distinct experts: more than there are fails inside Megatron's top-k at the first
+    forward ("selected index k out of range"), so refuse it here, naming both values."""
+    if topk is not None and topk > num_experts:
+        raise ValueError(
+            f"sonic_megatron: moe_router_topk={topk} (--moe-router-topk) is larger than num_moe_experts={num_experts} "
+            "(--num-experts): each token picks that many distinct experts; pass --moe-router-topk <= --num-experts"
+        )
+
+
 def validate_megatron_config(config, sonic: SonicConfig) -> str:
     """Check that Megatron's config is a combination the plugin computes exactly; return the kernels
     activation name. Every failure names the Megatron option."""
@@ -263,6 +287,7 @@ def validate_megatron_config(config, sonic: SonicConfig) -> str:
             f"expert_model_parallel_size={ep} (every expert-parallel rank holds the same number of experts); "
             "pick --num-experts as a multiple of --expert-model-parallel-size"
         )
+    _check_router_topk(g("moe_router_topk"), g("num_moe_experts"))
     activation = kernels_activation(config)
     if g("add_bias_linear"):
         _reject("add_bias_linear", True, "the Sonic experts have no biases; pass --disable-bias-linear")

@@ -5,12 +5,14 @@ or F. Parameters are stacked as the kernels want them (nn.Linear layout per expe
     weight1 [El, G, H]  fc1, GLU rows ``[gate ; up]`` (gate first, Megatron's order)
     weight2 [El, H, F]  fc2
 
-Two ways in:
+Ways in:
 * ``forward(tokens_NH, tokens_per_expert, probs_N, **kwargs) -> (out_NH, None)``: Megatron's contract (rows
   grouped by local expert, one prob per row, applied to the activation). Used with Megatron's own
   dispatchers (``SonicConfig.dispatcher='megatron'``), by the stock ``MoELayer`` and by tests.
 * ``compute(x_TD, routing)``: a kernels routing over local expert ids (each token once, its experts'
-  outputs summed); used by ``SonicMoELayer``'s own dispatch path.
+  outputs summed); the plugin's layer at expert-parallel size 1.
+* ``compute_received`` / ``compute_expert_parallel``: token_dispatch's step-wise ``local_experts`` and pipelined
+  ``expert_parallel_experts`` over these weights (the plugin's layer under expert parallelism).
 Weight gradients go through ``self.wgrad`` (a ``WeightGradSink``): added into Megatron DDP's ``main_grad`` by
 the GEMMs themselves wherever DDP allocated it (under Megatron's schedules once per pair of micro-batches,
 ``SonicConfig.pair_weight_grads``), and deferred to ``backward_dw()`` with ``delay_wgrad_compute``.
@@ -20,16 +22,20 @@ the Sonic kernels cache only X and H (never the activation or the gathered token
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from megatron.core.transformer.module import MegatronModule
 
 from .checkpoint import drop_extra_state_keys, stacked_experts_sharded_state_dict
-from .config import SonicConfig, kernels_activation
-from .kernels import FlatRouting, moe_experts
+from .config import SonicConfig
+from .kernels import FlatRouting, TopKRouting, moe_experts
 from .kernels.activations import is_gated
 from .kernels.routing import Routing
+from .layer_options import LayerOptions
 from .megatron_compat import default_pg_collection, expert_rng_context
-from .wgrad import WeightGradSink
+from .token_dispatch import DeferredWeightGrad, EPPlan, TokenRounding, expert_parallel_experts, local_experts
+from .wgrad import WeightGradSink, add_to_main_grads
 
 
 def init_stacked_weights(module, config, num_local_experts: int, pg_collection, gated: bool) -> None:
@@ -74,7 +80,9 @@ class SonicExperts(MegatronModule):
             ``output_layer_init_method``, ``delay_wgrad_compute``).
         submodules: accepted and ignored (Megatron's expert specs pass MLP submodules).
         pg_collection: process groups (``ep``, ``expt_dp``, ``expt_tp``); Megatron's defaults if None.
-        sonic_config: plugin options (only ``backend`` is used here); env overrides apply.
+        sonic_config: plugin options, resolved here (env overrides apply) when ``options`` is None, i.e. when
+            a stock MoELayer builds these experts.
+        options: the layer's resolved options (``SonicMoELayer`` passes them).
         **kwargs: newer Megatron arguments (``name``...) are accepted and ignored.
     """
 
@@ -85,13 +93,16 @@ class SonicExperts(MegatronModule):
         submodules=None,
         pg_collection=None,
         sonic_config: SonicConfig | None = None,
+        options: LayerOptions | None = None,
         **kwargs,
     ):
         super().__init__(config=config)
         if pg_collection is None:
             pg_collection = default_pg_collection()
-        self.sonic_config = SonicConfig.resolve(sonic_config)
-        self.activation = kernels_activation(config)
+        if options is None:  # built by a stock MoELayer, not by SonicMoELayer
+            options = LayerOptions.resolve(sonic_config, config, check_megatron=False)
+        self.options = options
+        self.activation = self.options.ep.activation
         self.gated = is_gated(self.activation)
         init_stacked_weights(self, config, num_local_experts, pg_collection, self.gated)
         if config.perform_initialization:
@@ -100,7 +111,7 @@ class SonicExperts(MegatronModule):
         self.register_load_state_dict_post_hook(drop_extra_state_keys)
 
     def __init_wgrad__(self) -> None:
-        """(Re)build the weight-gradient sink from ``config.delay_wgrad_compute``."""
+        """(Re)build the weight-gradient sink from ``config.delay_wgrad_compute``, and with it ``ep_options``."""
         delay = bool(getattr(self.config, "delay_wgrad_compute", False))
         for p in (self.weight1, self.weight2):
             p.skip_backward_post_hook = delay
@@ -108,24 +119,12 @@ class SonicExperts(MegatronModule):
             (self.weight1, self.weight2),
             delay=delay,
             config=self.config,
-            pair=self.sonic_config.pair_weight_grads,
+            pair=self.options.sonic.pair_weight_grads,
         )
-        if delay:
-            from .token_dispatch import DeferredWeightGrad
-            from .wgrad import add_to_main_grads
-
+        if delay:  # token_dispatch's engine records its weight-gradient GEMMs here, for backward_dw()
             self.wgrad.ep_deferred = DeferredWeightGrad(sink=add_to_main_grads)
-
-    @property
-    def sonic_config(self) -> SonicConfig:
-        return self._sonic_config
-
-    @sonic_config.setter
-    def sonic_config(self, sonic: SonicConfig) -> None:
-        """Set by SonicMoELayer after construction: the weight-gradient sink follows its options."""
-        self._sonic_config = sonic
-        if hasattr(self, "wgrad"):
-            self.wgrad.pair = sonic.pair_weight_grads
+        # token_dispatch's options of these experts: the layer's, with this module's deferred weight gradients
+        self.ep_options = dataclasses.replace(self.options.ep, wgrad=self.wgrad.ep_deferred)
 
     @torch.no_grad()
     def _init_weights(self) -> None:
@@ -147,8 +146,48 @@ class SonicExperts(MegatronModule):
             self.weight1,
             self.weight2,
             activation=self.activation,
-            backend=self.sonic_config.backend,
+            backend=self.options.ep.backend,
             weight_grad_hook=self.wgrad.grads_for_autograd,  # main_grad fusion, delayed wgrad
+        )
+
+    def compute_received(
+        self, x_recv: torch.Tensor, scores_recv: torch.Tensor, plan: EPPlan, *, beside_all_to_all: bool
+    ) -> torch.Tensor:
+        """token_dispatch's ``local_experts`` on the rows ``plan`` brought to this rank: y_recv, one row per
+        received row (its pairs' outputs summed). ``beside_all_to_all``: another micro-batch's all-to-all runs
+        beside these GEMMs (Megatron's 1F1B EP overlap), which then leave ``SonicConfig.comm_sms`` SMs free."""
+        return local_experts(
+            x_recv,
+            scores_recv,
+            self.weight1,
+            self.weight2,
+            plan,
+            options=self.ep_options,
+            comm_sms=self.options.sonic.comm_sms if beside_all_to_all else 0,
+        )
+
+    def compute_expert_parallel(
+        self,
+        x_TD: torch.Tensor,
+        routing: TopKRouting,
+        *,
+        group,
+        num_experts: int,
+        rounding_scores_TE: torch.Tensor | None,
+        rounding: TokenRounding | None,
+    ) -> torch.Tensor:
+        """token_dispatch's pipelined ``expert_parallel_experts`` over these weights: plan, dispatch, experts and
+        combine of this rank's tokens in one call (``rounding`` with the dense ``rounding_scores_TE``, or None)."""
+        options = self.ep_options if rounding is None else dataclasses.replace(self.ep_options, rounding=rounding)
+        return expert_parallel_experts(
+            x_TD,
+            routing,
+            self.weight1,
+            self.weight2,
+            group=group,
+            num_experts=num_experts,
+            rounding_scores_TE=rounding_scores_TE,
+            options=options,
         )
 
     def forward(

@@ -2,20 +2,20 @@
 
 Shape legend: T tokens (S/TP * B), E experts, K experts per token.
 
-Two outputs, one router:
+Which output the router gives is fixed when it is built, by the layer's resolved options (``LayerOptions``):
 
-* **Megatron's format** (``emit_topk`` False, the default; every TopKRouter option): ``(probs [T, E],
-  routing_map [T, E] bool)`` from TopKRouter's own ``routing``.
-* **Top-K format** (``emit_topk`` True, set by ``SonicMoELayer`` whose dispatcher reads it): ``(scores [T, K],
-  indices [T, K] int64)``. Where the options allow (``fused_unsupported_reason`` is None), the logits go through
-  one fused top-K + softmax kernel (``kernels/triton/topk_softmax.py``) instead of TopKRouter's softmax,
-  ``torch.topk`` over [T, E], dense probs and a bool map that the layer would only turn back into [T, K]. Covered
-  exactly: softmax scores over the top-K logits (``moe_router_pre_softmax`` off) or over all logits (on), the top-K
-  scaling factor, z-loss and the aux / seq-aux / global-aux losses (Megatron's own loss functions on the same
-  statistics: dense softmax scores and the routed map). Anything else (sigmoid / sqrtsoftplus scores, expert bias,
-  group-limited routing, sinkhorn, router replay, a padding mask) takes TopKRouter's path and is converted to
-  top-K afterwards, so every option keeps working. Ties between equal logits: the fused kernel takes the lower
-  expert, ``torch.topk`` leaves the order unspecified.
+* **Megatron's format** (no options, or ``SonicConfig.dispatcher='megatron'``; every TopKRouter option):
+  ``(probs [T, E], routing_map [T, E] bool)`` from TopKRouter's own ``routing``.
+* **Top-K format** (the plugin's own dispatcher): one ``RouterOutput``: scores [T, K], indices [T, K] int64 and,
+  in training with token rounding, the dense probabilities rounding ranks by. Where the options allow
+  (``fused_unsupported_reason`` is None), the logits go through one fused top-K + softmax kernel
+  (``kernels/triton/topk_softmax.py``) instead of TopKRouter's softmax, ``torch.topk`` over [T, E], dense probs and
+  a bool map that the layer would only turn back into [T, K]. Covered exactly: softmax scores over the top-K logits
+  (``moe_router_pre_softmax`` off) or over all logits (on), the top-K scaling factor, z-loss and the aux / seq-aux
+  / global-aux losses (Megatron's own loss functions on the same statistics: dense softmax scores and the routed
+  map). Anything else (sigmoid / sqrtsoftplus scores, expert bias, group-limited routing, sinkhorn, router replay,
+  a padding mask) takes TopKRouter's path and is converted to top-K afterwards, so every option keeps working.
+  Ties between equal logits: the fused kernel takes the lower expert, ``torch.topk`` leaves the order unspecified.
 
 The logits: with ``moe_router_dtype='fp32'`` and a bf16 input on CUDA, the logits GEMM and its two gradients run
 on the bf16 tensor cores over exact bf16 splits of fp32 operands with chunked accumulation, within the error of
@@ -23,20 +23,25 @@ Megatron's fp32 GEMMs on the CUDA cores (``router_gemm.py``); anything else take
 
 Token rounding adds (token, expert) pairs that top-K did not choose and drops chosen ones; it ranks both by
 the router's dense probability and gives added pairs that probability as their weight (SonicMoE does the
-same), so gradients reach the router through them. ``dense_probs_TE`` is that tensor: the score function
-applied to the (z-loss-processed) logits, with autograd, before top-K and before any expert bias; padded
-tokens (``padding_mask`` False) get probability 0. It is per-microbatch forward state: ``SonicMoELayer``
-reads it in ``preprocess`` right after ``route`` (same schedule node) and drops the reference. On the fused path,
-where the losses read the same probabilities, rounding gets its own output of one softmax
-(``kernels/triton/shared_softmax.py``): the two gradients meet inside the softmax backward.
+same), so gradients reach the router through them. ``RouterOutput.dense_probs_TE`` is that tensor: the score
+function applied to the (z-loss-processed) logits, with autograd, before top-K and before any expert bias; padded
+tokens (``padding_mask`` False) get probability 0. On the fused path, where the losses read the same
+probabilities, rounding gets its own output of one softmax (``kernels/triton/shared_softmax.py``): the two
+gradients meet inside the softmax backward.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
 from .router_gemm import router_logits, unsupported_reason
+
+if TYPE_CHECKING:
+    from .layer_options import LayerOptions
 
 FUSED_ROUTING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
@@ -59,16 +64,43 @@ def as_topk(probs: torch.Tensor, routing_map: torch.Tensor, k: int) -> tuple[tor
     return probs.gather(1, idx_TK), idx_TK
 
 
+@dataclass(frozen=True)
+class RouterOutput:
+    """The router's decision for one micro-batch, in top-K format: token t uses experts ``indices_TK[t]`` with
+    weights ``scores_TK[t]`` (with autograd to the router). ``dense_probs_TE`` [T, E] (with autograd) is given
+    exactly when this forward rounds (training with ``SonicConfig.token_rounding``): rounding ranks by it and weighs
+    the pairs it adds with it. None: plain top-K."""
+
+    scores_TK: torch.Tensor
+    indices_TK: torch.Tensor
+    dense_probs_TE: torch.Tensor | None = None
+
+    @classmethod
+    def from_megatron(cls, probs: torch.Tensor, routing_map: torch.Tensor, k: int) -> RouterOutput:
+        """From a router in Megatron's format (``probs`` and ``routing_map`` [T, E]), without rounding."""
+        if probs.dim() != 2 or routing_map.dim() != 2:
+            raise ValueError(
+                "RouterOutput.from_megatron: probs and routing_map must be 2-D ([T, E] with a bool map, or top-K "
+                f"[T, K] with int64 indices), got {tuple(probs.shape)} {tuple(routing_map.shape)} {routing_map.dtype}"
+            )
+        return cls(*as_topk(probs, routing_map, k))
+
+
 class SonicRouter(TopKRouter):
-    """TopKRouter with the fused top-K path (``emit_topk``) and the dense probabilities for token rounding
-    (``keep_dense_probs``); both flags are set per forward by SonicMoELayer."""
+    """TopKRouter with the fused top-K path and the dense probabilities for token rounding (see the module
+    docstring).
 
-    keep_dense_probs: bool = False
-    emit_topk: bool = False
+    Args:
+        *args, **kwargs: TopKRouter's (``config``, ``pg_collection``, ...).
+        options: the layer's resolved options: with the plugin's dispatcher the router gives one ``RouterOutput``
+            per forward (with the dense probabilities in training when ``options.rounding`` is set). None, or
+            ``dispatcher='megatron'``: TopKRouter's ``(probs, routing_map)``.
+    """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, options: LayerOptions | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.dense_probs_TE: torch.Tensor | None = None
+        self.gives_topk = options is not None and options.sonic_dispatch
+        self.rounds_in_training = self.gives_topk and options.rounding is not None
         self._fused_reason = self._static_fused_reason()
 
     # -- which path --------------------------------------------------------------------------------------
@@ -112,18 +144,25 @@ class SonicRouter(TopKRouter):
         return router_logits(input, self.weight, self.bias)
 
     # -- routing -----------------------------------------------------------------------------------------
-    def routing(self, logits: torch.Tensor, *args, **kwargs):
-        padding_mask = kwargs.get("padding_mask", args[0] if args else None)
-        if self.emit_topk and self.fused_unsupported_reason(logits, padding_mask) is None:
-            return self._fused_routing(logits)
-        probs, routing_map = super().routing(logits, *args, **kwargs)
-        if self.keep_dense_probs:
-            self.dense_probs_TE = self._dense_probs(logits, padding_mask)
-        if self.emit_topk:
-            return as_topk(probs, routing_map, self.topk)
-        return probs, routing_map
+    def forward(self, input: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        """Megatron's format: TopKRouter's ``(probs, routing_map)``. Top-K format: one ``RouterOutput``."""
+        first, second = super().forward(input, padding_mask)  # TopKRouter: jitter, gating, then routing() below
+        return first if self.gives_topk else (first, second)
 
-    def _fused_routing(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def routing(self, logits: torch.Tensor, *args, **kwargs):
+        """Megatron's format: TopKRouter's. Top-K format: ``(RouterOutput, None)``, the pair TopKRouter.forward
+        unpacks (``forward`` above returns the output alone)."""
+        if not self.gives_topk:
+            return super().routing(logits, *args, **kwargs)
+        padding_mask = kwargs.get("padding_mask", args[0] if args else None)
+        keep_dense = self.rounds_in_training and self.training
+        if self.fused_unsupported_reason(logits, padding_mask) is None:
+            return self._fused_routing(logits, keep_dense), None
+        probs, routing_map = super().routing(logits, *args, **kwargs)
+        dense_TE = self._dense_probs(logits, padding_mask) if keep_dense else None
+        return RouterOutput(*as_topk(probs, routing_map, self.topk), dense_TE), None
+
+    def _fused_routing(self, logits: torch.Tensor, keep_dense: bool) -> RouterOutput:
         """TopKRouter.routing's softmax top-K in one kernel; the losses through Megatron's own functions."""
         from .kernels.triton.shared_softmax import shared_softmax
         from .kernels.triton.topk_softmax import topk_softmax
@@ -133,11 +172,11 @@ class SonicRouter(TopKRouter):
         scores_TK, idx_TK = topk_softmax(logits_TE, self.topk)  # fp32 softmax over the K selected logits
         with_aux = self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled()
         dense_TE = rounding_TE = None
-        if self.keep_dense_probs and (with_aux or self.config.moe_router_pre_softmax):
+        if keep_dense and (with_aux or self.config.moe_router_pre_softmax):
             # two readers (the losses or the pre-softmax scores, and token rounding): one output each, so that
             # their gradients meet inside one softmax backward instead of in a [T, E] sum
             dense_TE, rounding_TE = shared_softmax(logits_TE)
-        elif with_aux or self.config.moe_router_pre_softmax or self.keep_dense_probs:
+        elif with_aux or self.config.moe_router_pre_softmax or keep_dense:
             dense_TE = rounding_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
         if self.config.moe_router_pre_softmax:  # Megatron: top-K of softmax over all experts, no renormalising
             scores_TK = dense_TE.type_as(logits_TE).gather(1, idx_TK)
@@ -151,9 +190,9 @@ class SonicRouter(TopKRouter):
             scores_TK = self._apply_aux_loss(scores_TK, dense_TE, map_TE, with_padding_mask=False)
             scores_TK = self._apply_seq_aux_loss(scores_TK, dense_TE, map_TE, seq_length, bsz, with_padding_mask=False)
             scores_TK = self._apply_global_aux_loss(scores_TK, dense_TE, map_TE, with_padding_mask=False)
-        if self.keep_dense_probs:
-            self.dense_probs_TE = rounding_TE * scale if scale else rounding_TE
-        return scores_TK, idx_TK
+        if not keep_dense:
+            return RouterOutput(scores_TK, idx_TK)
+        return RouterOutput(scores_TK, idx_TK, rounding_TE * scale if scale else rounding_TE)
 
     def _dense_probs(self, logits: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
         logits_TE = logits.reshape(-1, self.config.num_moe_experts).float()
@@ -171,9 +210,4 @@ class SonicRouter(TopKRouter):
             dense = dense * scale
         if padding_mask is not None:
             dense = dense * padding_mask.reshape(-1, 1).to(dense.dtype)
-        return dense
-
-    def pop_dense_probs(self) -> torch.Tensor | None:
-        """The dense probabilities of the last forward (once; the reference is dropped)."""
-        dense, self.dense_probs_TE = self.dense_probs_TE, None
         return dense

@@ -56,6 +56,7 @@ from .config import SonicConfig
 from .experts import SonicExperts
 from .layer import SonicMoELayer
 from .router import SonicRouter
+from .wgrad import finalize_runs_held_weight_grads
 
 
 class SonicMoELayerSpec:
@@ -202,7 +203,9 @@ if _have_te():
 
 def sonic_block_spec(config, vp_stage: int | None = None):
     """megatron-core >= 0.19 (``GPTModelBuilder``): Megatron's default GPT layer/block spec for ``config``
-    (a GPTModelConfig) with the MoE layers swapped for Sonic."""
+    (a GPTModelConfig) with the MoE layers swapped for Sonic. As the model's builder it also installs the finalize
+    hook that runs the experts' held weight-gradient work (``wgrad.finalize_runs_held_weight_grads``; Megatron-LM's
+    training loop keeps a finalize function the builder set, and sets its own otherwise)."""
     try:
         from megatron.training.models.gpt import default_layer_spec
     except ImportError as exc:
@@ -210,6 +213,7 @@ def sonic_block_spec(config, vp_stage: int | None = None):
             "sonic_block_spec needs megatron-core >= 0.19 (megatron.training.models.gpt); on 0.16-0.18 pass "
             "--spec sonic_megatron.spec sonic_local_layer_spec (or sonic_te_layer_spec)"
         ) from exc
+    finalize_runs_held_weight_grads(config)
     return swap_moe_spec(default_layer_spec(config, vp_stage))
 
 

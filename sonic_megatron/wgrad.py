@@ -23,15 +23,18 @@ Micro-batch pairs (``SonicConfig.pair_weight_grads``, fused accumulation, not de
 schedules, the weight GEMMs of an iteration's micro-batches 2i and 2i+1 run once, over both micro-batches' rows
 (``WeightGradWork.merged_with``): one pass over the fp32 ``main_grad`` per pair instead of one per micro-batch.
 Micro-batch 2i's work is held until 2i+1's backward (autograd gets no weight gradient for 2i, so DDP's hook fires
-at 2i+1); the iteration's last micro-batch never waits (``get_num_microbatches``), and Megatron's
-``finalize_model_grads_func``, which every schedule calls before the gradients are used, first runs any work
-still held (a wrapper installed on the model's config at the first pairable backward), so no gradient can be
-left behind. Anywhere else (no Megatron schedule, no micro-batch calculator) each backward computes its own.
+at 2i+1); the iteration's last micro-batch never waits (``get_num_microbatches``). Megatron's schedules call the
+model config's ``finalize_model_grads_func`` once per iteration, after the last backward and before the gradients
+are reduced or read: a sink holds work only while that function is a ``FinalizeAfterHeldWeightGrads``, which runs
+the work its sinks still hold (and restarts their micro-batch counts) before Megatron's finalize, so no gradient
+can be left behind. The model builder installs it (``finalize_runs_held_weight_grads``: ``spec.sonic_block_spec``
+does, for Megatron-LM's ``GPTModelBuilder``, whose training loop keeps a finalize function the builder set); a
+sink registers with it at its first pairable backward. Anywhere else (no such finalize function, no micro-batch
+calculator) each backward computes its own.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections import deque
 from collections.abc import Callable
 
@@ -97,9 +100,6 @@ def add_to_main_grads(fn, params) -> None:
             accumulate_weight_grad(w, g)
 
 
-_PAIRING_SINKS: weakref.WeakSet = weakref.WeakSet()  # sinks whose held work Megatron's finalize runs first
-
-
 def _num_microbatches() -> int | None:
     """Megatron's micro-batches per iteration, None outside its training setup."""
     try:
@@ -110,24 +110,46 @@ def _num_microbatches() -> int | None:
         return None
 
 
-def _finalize_runs_held_work(config) -> bool:
-    """Wrap ``config.finalize_model_grads_func`` (Megatron's schedules call it after an iteration's last backward,
-    before the gradients are reduced or read) so that it first runs every sink's held work and restarts the
-    micro-batch counts; True when it is (or already was) wrapped, False where there is none."""
-    finalize = getattr(config, "finalize_model_grads_func", None)
-    if finalize is None:
-        return False
-    if getattr(finalize, "runs_held_weight_grads", False):
-        return True
+class FinalizeAfterHeldWeightGrads:
+    """A model's ``finalize_model_grads_func``: runs the weight-gradient work its sinks hold, then ``finalize``
+    (Megatron's). Sinks register at their first pairable backward; only while this object is the config's finalize
+    function do they hold work (see the module docstring).
 
-    def finalize_after_held_weight_grads(*args, **kwargs):
-        for sink in list(_PAIRING_SINKS):
+    Args:
+        finalize: the function Megatron's schedules would call otherwise (``finalize_model_grads``).
+    """
+
+    def __init__(self, finalize: Callable):
+        self.finalize = finalize
+        self._sinks: list[WeightGradSink] = []
+
+    def register(self, sink: WeightGradSink) -> None:
+        self._sinks.append(sink)
+
+    def __call__(self, *args, **kwargs):
+        for sink in self._sinks:
             sink.flush()
-        return finalize(*args, **kwargs)
+        return self.finalize(*args, **kwargs)
 
-    finalize_after_held_weight_grads.runs_held_weight_grads = True
-    config.finalize_model_grads_func = finalize_after_held_weight_grads
-    return True
+    def __deepcopy__(self, memo) -> FinalizeAfterHeldWeightGrads:
+        return self  # a copied config keeps calling the same hook, as it would a plain function
+
+
+def finalize_runs_held_weight_grads(config, finalize: Callable | None = None) -> FinalizeAfterHeldWeightGrads:
+    """Install the hook on ``config.finalize_model_grads_func`` (a TransformerConfig, or a config that forwards its
+    attributes to one): in front of ``finalize``, else of the function already there, else of Megatron's
+    ``finalize_model_grads``. A hook already there is kept and returned. Call it before training, after any
+    finalize function of your own is set (sinks find the hook at their first pairable backward)."""
+    current = getattr(config, "finalize_model_grads_func", None)
+    if isinstance(current, FinalizeAfterHeldWeightGrads):
+        return current
+    if finalize is None:
+        finalize = current
+    if finalize is None:
+        from megatron.core.distributed import finalize_model_grads as finalize
+    hook = FinalizeAfterHeldWeightGrads(finalize)
+    config.finalize_model_grads_func = hook
+    return hook
 
 
 class WeightGradSink:
@@ -136,7 +158,8 @@ class WeightGradSink:
     Args:
         params: (w1, w2).
         delay: Megatron's ``delay_wgrad_compute`` (record in backward, compute in ``backward_dw()``).
-        config: the model's TransformerConfig (its ``finalize_model_grads_func``); None: no micro-batch pairs.
+        config: the model's TransformerConfig, whose ``finalize_model_grads_func`` must be a
+            ``FinalizeAfterHeldWeightGrads`` for micro-batch pairs; None: no pairs.
         pair: ``SonicConfig.pair_weight_grads`` (see the module docstring).
     """
 
@@ -151,6 +174,7 @@ class WeightGradSink:
         self.ep_deferred = None
         self._held = None  # a micro-batch's WeightGradWork waiting for the next micro-batch's
         self._backwards = 0  # backward calls since Megatron's last finalize
+        self._finalize: FinalizeAfterHeldWeightGrads | None = None  # the hook this sink registered with
 
     # -- called from autograd backward ---------------------------------------------------------------
     def grads_for_autograd(self, compute: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor | None, ...]:
@@ -176,9 +200,9 @@ class WeightGradSink:
         return tuple(self._added_to_main_grad(p) for p in self.params)
 
     def _pairs_here(self, compute) -> bool:
-        """Micro-batch pairs apply: asked for, a mergeable work, a Megatron finalize that runs held work, and no
-        CUDA graph being captured (a captured backward would replay one micro-batch's choice, hold or compute,
-        for every later one)."""
+        """Micro-batch pairs apply: asked for, a mergeable work, no CUDA graph being captured (a captured backward
+        would replay one micro-batch's choice, hold or compute, for every later one), and a finalize function that
+        runs held work (this sink registers with it)."""
         if not self.pair or not hasattr(compute, "merged_with"):
             return False
         if compute.x_TD.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -189,9 +213,12 @@ class WeightGradSink:
                     "pair_weight_grads=False (SONIC_MEGATRON_PAIR_WEIGHT_GRADS=0)"
                 )
             return False
-        if not _finalize_runs_held_work(self.config):
+        finalize = getattr(self.config, "finalize_model_grads_func", None)
+        if not isinstance(finalize, FinalizeAfterHeldWeightGrads):
             return False
-        _PAIRING_SINKS.add(self)
+        if finalize is not self._finalize:
+            finalize.register(self)
+            self._finalize = finalize
         return True
 
     @torch.no_grad()  # Megatron's finalize runs outside autograd's backward; the held tensors may require grad

@@ -53,7 +53,7 @@ def _gpt_builder_worker(rank, world):
     kinds = [type(layer.mlp) for layer in model.decoder.layers]
     assert kinds == [SonicMoELayer, SonicMoELayer], kinds
     assert all(isinstance(layer.mlp.experts, SonicExperts) for layer in model.decoder.layers)
-    assert all(layer.mlp.sonic.backend == "torch" for layer in model.decoder.layers)
+    assert all(layer.mlp.options.sonic.backend == "torch" for layer in model.decoder.layers)
     g = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, 64, (2, 16), generator=g)
     position_ids = torch.arange(16).expand(2, 16)

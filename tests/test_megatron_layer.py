@@ -49,7 +49,6 @@ CASES = [
     Case(
         "pipelined_chunks_redispatch", sonic=SonicConfig(backend="torch", num_chunks=2, redispatch_x_in_backward=True)
     ),
-    Case("pipelined_by_source", sonic=SonicConfig(backend="torch", by_source=True, comm_sms=8)),
     Case("one_expert", route="one_expert"),
     Case("skewed_rank0_only", route="skewed"),
     Case("fp32", dtype=torch.float32, tokens=(16, 4)),

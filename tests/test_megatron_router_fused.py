@@ -38,6 +38,8 @@ FALLBACK_CASES = {"sigmoid_bias": dict(moe_router_score_function="sigmoid", moe_
 def _run(opts, dtype, fused_expected, rounding_probs=False):
     from megatron.core.transformer.moe.router import TopKRouter
 
+    from sonic_megatron.config import SonicConfig
+    from sonic_megatron.layer_options import LayerOptions
     from sonic_megatron.megatron_compat import default_pg_collection
     from sonic_megatron.router import SonicRouter, as_topk
     from sonic_megatron.testing import moe_config
@@ -59,24 +61,30 @@ def _run(opts, dtype, fused_expected, rounding_probs=False):
         ("ref32", TopKRouter, dtype),
     ):
         cfg = cfgs["fp64" if dt == torch.float64 else "fp32"]
-        router = cls(config=cfg, pg_collection=default_pg_collection()).to(device=device, dtype=dt)
+        kw = {}
+        if cls is SonicRouter:  # the plugin layer's router: top-K output, the dense probabilities when rounding
+            sonic = SonicConfig(backend="torch", token_rounding="nearest" if rounding_probs else "none")
+            kw["options"] = LayerOptions.resolve(sonic, cfg, check_megatron=True)
+        router = cls(config=cfg, pg_collection=default_pg_collection(), **kw).to(device=device, dtype=dt)
         with torch.no_grad():
             router.weight.copy_(weight)
         router.train()
         if cls is SonicRouter:
-            router.emit_topk = True
-            router.keep_dense_probs = rounding_probs
             assert (router.fused_unsupported_reason(x.to(dt), None) is None) == fused_expected
         x_in = x.to(dt).requires_grad_()
-        probs, rmap = router(x_in)
-        scores_TK, idx_TK = as_topk(probs, rmap, 4)
+        if cls is SonicRouter:
+            routed = router(x_in)
+            scores_TK, idx_TK = routed.scores_TK, routed.indices_TK
+            assert (routed.dense_probs_TE is not None) == rounding_probs
+        else:
+            scores_TK, idx_TK = as_topk(*router(x_in), 4)
         order = torch.sort(idx_TK, dim=1)
         scores_TK = scores_TK.gather(1, order.indices)
         ramp = torch.linspace(-1, 1, scores_TK.numel(), device=device).view_as(scores_TK)
         loss = (scores_TK * ramp.to(dt)).sum()
         if rounding_probs:  # a rounding-like reader of the dense probabilities: a few pairs' weights
             if cls is SonicRouter:
-                dense_TE = router.pop_dense_probs()
+                dense_TE = routed.dense_probs_TE
             else:  # TopKRouter's softmax over its own logits (z-loss leaves their values)
                 scale = router.config.moe_router_topk_scaling_factor or 1.0
                 dense_TE = (

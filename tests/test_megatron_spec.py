@@ -43,7 +43,7 @@ def _spec_worker(rank, world):
         assert layer.is_moe_layer and isinstance(layer.mlp, MoELayer)
         assert isinstance(layer.mlp.experts, SonicExperts) and isinstance(layer.mlp.router, SonicRouter)
         assert layer.mlp.shared_experts is not None, "shared experts of the original spec are kept"
-        assert layer.mlp.sonic.backend == "torch"
+        assert layer.mlp.options.sonic.backend == "torch"
     x = torch.randn(6, 2, config.hidden_size)
     out = model(x, attention_mask=torch.triu(torch.ones(6, 6), 1).bool()[None, None])
     out = out[0] if isinstance(out, tuple) else out

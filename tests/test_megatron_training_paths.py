@@ -88,7 +88,8 @@ def _worker(rank, world, out_dir):
             }
 
             # micro-batch pairs of the weight gradients under a Megatron-like schedule: three micro-batches (the
-            # first waits for the second, the last never waits), then the schedule's finalize
+            # first waits for the second, the last never waits), then the schedule's finalize (the builder's hook
+            # in front of Megatron's function)
             from sonic_megatron import wgrad
 
             torch.manual_seed(1000)
@@ -98,7 +99,7 @@ def _worker(rank, world, out_dir):
                 p.main_grad = torch.zeros_like(p)
                 p.grad_added_to_main_grad = False
             counted, wgrad._num_microbatches = wgrad._num_microbatches, lambda: 3
-            lay.config.finalize_model_grads_func = lambda *args, **kwargs: None
+            wgrad.finalize_runs_held_weight_grads(lay.config, lambda *args, **kwargs: None)
             try:
                 _run(lay, x, g)
                 held_first = lay.experts.wgrad._held is not None and all(p.grad is None for p in params)
@@ -124,12 +125,11 @@ def _worker(rank, world, out_dir):
         g = torch.randn(12, 2, 32, generator=gen, dtype=torch.float64)
         lay.train()
         out, dx = _run(lay, x, g)
-        plan = lay.token_dispatcher.plan
         if ep == 1:  # no plan: the experts read the rounded (padded) routing directly
-            E, exp_R = lay.config.num_moe_experts, plan.routing.expert_idx_R
+            E, exp_R = lay.config.num_moe_experts, lay.mode.routing.expert_idx_R
             per_expert = torch.bincount(exp_R[exp_R < E], minlength=E).tolist()
         else:
-            counts = [torch.diff(m.expert_offsets).tolist() for m in plan.recv_meta]
+            counts = [torch.diff(m.expert_offsets).tolist() for m in lay.mode.plan.recv_meta]
             per_expert = [sum(c[e] for c in counts) for e in range(len(counts[0]))]
         lay.eval()
         stock.eval()

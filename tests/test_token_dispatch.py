@@ -165,10 +165,6 @@ def _equivalence_worker(rank, P):
         ),
         "stepwise": ("random", {"mode": "stepwise"}),
         "stepwise_chunks2_empty_rank": ("empty_rank", {"mode": "stepwise", "num_chunks": 2}),
-        "by_source": ("random", {"by_source": True}),
-        "by_source_chunks2_empty_rank_deferred": ("empty_rank", {"by_source": True, "num_chunks": 2, "deferred": True}),
-        "by_source_redispatch_flat": ("flat", {"by_source": True, "redispatch_x_in_backward": True}),
-        "stepwise_by_source_skewed": ("skewed", {"mode": "stepwise", "by_source": True}),
     }
     for name, (kind, opts) in variants.items():
         case = global_case(kind, P, seed=zlib.crc32(name.encode()) % 1000)
@@ -193,18 +189,15 @@ def _equivalence_worker(rank, P):
         res[f"bf16/{kind}"] = {n: (a, t, r) for n, a, t, r in zip(NAMES, ours, torch_lp, ref64, strict=True)}
     # Determinism: repeated runs bitwise equal (bf16, chunked, both forms).
     case = global_case("random", P, seed=3, dtype=torch.bfloat16)
-    for mode, opts in (("fused", {"num_chunks": 3}), ("stepwise", {}), ("fused", {"by_source": True})):
+    for mode, opts in (("fused", {"num_chunks": 3}), ("stepwise", {})):
         a = run_ep(case, rank, P, dtype=torch.bfloat16, mode=mode, **opts)
         b = run_ep(case, rank, P, dtype=torch.bfloat16, mode=mode, **opts)
-        res[f"bitwise/{mode}{'/by_source' if opts.get('by_source') else ''}"] = all(
-            torch.equal(u, v) for u, v in zip(a, b, strict=True)
-        )
+        res[f"bitwise/{mode}"] = all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
     # Options that must not change a single bit: redispatch, deferred wgrad.
     base = run_ep(case, rank, P, dtype=torch.bfloat16)
     for name, opts in (
         ("redispatch", {"redispatch_x_in_backward": True}),
         ("deferred", {"deferred": True}),
-        ("no_overlap", {"overlap": False}),
         ("comm_sms", {"comm_sms": 16}),
     ):
         other = run_ep(case, rank, P, dtype=torch.bfloat16, **opts)
@@ -229,10 +222,6 @@ F64_CASES = (
     "chunks2_redispatch_deferred_flat",
     "stepwise",
     "stepwise_chunks2_empty_rank",
-    "by_source",
-    "by_source_chunks2_empty_rank_deferred",
-    "by_source_redispatch_flat",
-    "stepwise_by_source_skewed",
 )
 
 
@@ -261,10 +250,8 @@ def test_repeated_runs_bitwise_equal(P):
     assert {k for k in _equivalence(P)[0] if "/" in k and k.split("/")[0] in ("bitwise", "same_bits")} == {
         "bitwise/fused",
         "bitwise/stepwise",
-        "bitwise/fused/by_source",
         "same_bits/redispatch",
         "same_bits/deferred",
-        "same_bits/no_overlap",
         "same_bits/comm_sms",
     }
     for rank, res in enumerate(_equivalence(P)):
@@ -605,6 +592,30 @@ def test_local_experts_comm_sms_same_results_and_checked():
         local_experts(xr, sr, w1, w2, plan, backend="torch", comm_sms=-1)
 
 
+def _autograd_reservation_worker(rank, P):
+    """The (SMs, GEMM count) reservation active around each backend call of ``expert_parallel_experts``."""
+    _poison()
+    case = global_case("random", P, seed=5)
+    logs = {}
+    for chunks in (1, 2):
+        with recording_reservations() as log:
+            run_ep(case, rank, P, dtype=torch.float64, num_chunks=chunks, comm_sms=8, deferred=chunks == 2)
+        logs[chunks] = log
+    return logs
+
+
+def test_expert_parallel_experts_reserves_sms_where_a_collective_is_in_flight():
+    """With comm_sms = n every GEMM of a forward / backward-data call leaves n SMs free only with more than one
+    chunk (with one chunk nothing else is in flight then), every GEMM of a weight-gradient call always (the dX / dS
+    all-to-alls travel beside it); deferred weight gradients run later, in ``wgrad.compute()``, reserving none."""
+    for logs in run_distributed(_autograd_reservation_worker, 2, timeout=120):
+        one = [("forward", (0, None)), ("backward_data", (0, None)), ("backward_weights", (8, None))]
+        assert logs[1] == one, logs[1]
+        data, deferred = (8, None), (0, None)
+        two = [("forward", data)] * 2 + [("backward_data", data)] * 2 + [("backward_weights", deferred)] * 2
+        assert logs[2] == two, logs[2]
+
+
 def test_options_validated_once_frozen_and_keywords_override():
     """EPOptions rejects a bad field naming it, the expected and the given value (bools are no ints, ints no
     bools), is frozen, and a front-end's keywords override ``options``' fields: the same bits either way."""
@@ -615,13 +626,10 @@ def test_options_validated_once_frozen_and_keywords_override():
     bad = [
         ("num_chunks", True, r"num_chunks must be an int in \[1, 16\], got True"),
         ("num_chunks", 17, r"num_chunks must be an int in \[1, 16\], got 17"),
-        ("by_source", 1, "by_source must be a bool, got 1"),
-        ("overlap", None, "overlap must be a bool, got None"),
         ("redispatch_x_in_backward", "yes", "redispatch_x_in_backward must be a bool"),
         ("comm_sms", False, "comm_sms must be an int >= 0, got False"),
         ("comm_sms", -1, "comm_sms must be an int >= 0, got -1"),
         ("backend", "x", r"backend must be one of \('auto', 'torch', 'cute'\), got 'x'"),
-        ("sm_reservation", "some", r"sm_reservation must be one of \('auto', 'all'\), got 'some'"),
         ("activation", "tanh", "activation must be one of"),
         ("rounding", "up", "rounding must be a TokenRounding or None, got str"),
         ("wgrad", object(), "wgrad must be a DeferredWeightGrad or None, got object"),

@@ -89,9 +89,9 @@ def _bad(rank, P, case):
     elif case == "num_chunks_differs":
         a = _inputs(rank, P)
         kw = dict(num_chunks=1 + (rank == 1))
-    elif case == "by_source_differs":
+    elif case == "activation_differs":
         a = _inputs(rank, P)
-        kw = dict(by_source=rank == 1)
+        kw = dict(activation="geglu" if rank == 1 else "swiglu")
     elif case == "routing_shape":
         a = _inputs(rank, P)
         if rank == 1:
@@ -116,7 +116,7 @@ CASES = {  # case -> words the message must contain
     "rounding_flat_tokens_out_of_range": ["rank 1", "sorted", f"[0, T = {T})"],
     "rounding_differs": ["rounding mode", "differs"],
     "num_chunks_differs": ["num_chunks", "differs"],
-    "by_source_differs": ["by_source", "differs"],
+    "activation_differs": ["activation", "differs"],
     "routing_shape": ["rank 1", "scores_TK"],
 }
 
@@ -162,7 +162,8 @@ def test_single_process_errors_name_the_argument():
         expert_parallel_experts(a["x"][:3], a["routing"], a["w1"], a["w2"], num_experts=E, backend="torch")
     with pytest.raises(EPInputError, match="num_chunks"):
         expert_parallel_experts(a["x"], a["routing"], a["w1"], a["w2"], num_experts=E, backend="torch", num_chunks=0)
-    with pytest.raises(EPInputError, match="by_source"):
-        expert_parallel_experts(a["x"], a["routing"], a["w1"], a["w2"], num_experts=E, backend="torch", by_source=1)
+    with pytest.raises(EPInputError, match="redispatch_x_in_backward must be a bool"):
+        kw = dict(num_experts=E, backend="torch", redispatch_x_in_backward=1)
+        expert_parallel_experts(a["x"], a["routing"], a["w1"], a["w2"], **kw)
     with pytest.raises(ValueError, match="comm_sms"):
         expert_parallel_experts(a["x"], a["routing"], a["w1"], a["w2"], num_experts=E, backend="torch", comm_sms=-1)

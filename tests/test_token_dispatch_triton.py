@@ -50,15 +50,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("by_source", [False, True])
 @pytest.mark.parametrize("case", list(CASES))
-def test_ep_recv_rows_keys_matches_torch(case, by_source):
+def test_ep_recv_rows_keys_matches_torch(case):
     try:
         from sonic_megatron.token_dispatch.triton_recv import ep_recv_rows_keys
     except Exception as exc:  # pragma: no cover - depends on the triton build
         pytest.skip(f"triton kernels cannot be imported here: {exc}")
     meta_QC, counts_PW, kw = _inputs(**CASES[case])
-    kw["by_source"] = by_source
     want = recv_rows_keys_torch(meta_QC, counts_PW, **kw)
     # The kernel's outputs come from torch.empty: poisoned (max int) here, so an unwritten element shows.
     det, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
@@ -74,14 +72,14 @@ def test_ep_recv_rows_keys_matches_torch(case, by_source):
         assert torch.equal(a, b), f"{name}: {a.tolist()[:20]} vs {b.tolist()[:20]}"
     if case == "several_programs":
         assert meta_QC.shape[0] > 1024
-    # The keys' meaning, counted here independently: pair q of segment (c, p) has key group (c*P + p) by
-    # source, c otherwise, and its local expert in the low part.
+    # The keys' meaning, counted here independently: pair q of segment (c, p) has key group c (its chunk) and
+    # its local expert in the low part.
     P, N, L, rank = kw["world_size"], kw["num_chunks"], kw["num_local_experts"], kw["rank"]
     groups = []
     for c in range(N):
         for p in range(P):
             n_pairs = int(counts_PW[p, kw["pair_base"] + c * P + rank])
-            groups += [c * P + p if by_source else c] * n_pairs
+            groups += [c] * n_pairs
     key = got[1].long().cpu()
     assert key.tolist() == [g * L + int(e) for g, e in zip(groups, meta_QC[:, 1].cpu().tolist(), strict=True)]
 

@@ -197,14 +197,14 @@ def test_experts_read_the_rounded_metadata():
         moe_experts(x_, dataclasses.replace(got, metadata=short), w1_, w2_)
 
 
-def test_local_plan_clone_owns_the_rounded_metadata():
-    """Megatron's 1F1B EP-overlap schedule frees node inputs: the EP = 1 plan's copy owns every index tensor of
-    the rounded routing, its metadata included (equal values, new storage)."""
-    from sonic_megatron.dispatcher import LocalPlan
+def test_local_routing_copy_owns_the_rounded_metadata():
+    """Megatron's 1F1B EP-overlap schedule frees node inputs: the EP = 1 mode's copy of the routing owns every index
+    tensor of the rounded routing, its metadata included (equal values, new storage)."""
+    from sonic_megatron.modes import _owning_indices
 
     scores, idx, dense = _routing(40, 5, 2, 11, False)
     got = _kernels().round_local_triton(TopKRouting(scores.to(DEVICE), idx.to(DEVICE)), dense.to(DEVICE), 5, "up", 8)
-    copy = LocalPlan(got).cloned().routing
+    copy = _owning_indices(got)
     pairs = [(a, b) for a, b in zip(copy.metadata.tensors(), got.metadata.tensors(), strict=True)]
     pairs += [(copy.token_idx_R, got.token_idx_R), (copy.token_offsets, got.token_offsets)]
     for a, b in pairs:

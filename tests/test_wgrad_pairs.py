@@ -2,7 +2,7 @@
 the merged work's gradients equal the sum of the two micro-batches' (fp64, PyTorch backend; the Triton merge bit
 for bit against its reference, on CPU under TRITON_INTERPRET=1), including padded rounded routings and empty
 experts; and the sink under a Megatron-like schedule: held micro-batches, the last one never held, the finalize
-wrapper running what is still held, nothing left behind and DDP's main_grad flags as Megatron expects."""
+hook running what is still held, nothing left behind and DDP's main_grad flags as Megatron expects."""
 
 import os
 
@@ -70,8 +70,8 @@ def test_merge_kernel_equals_the_reference():
 
 
 def _megatron_like(num_micro, monkeypatch):
-    """A sink whose params carry DDP's main_grad and flag, a config with Megatron's finalize function, and the
-    micro-batch count of Megatron's calculator."""
+    """A sink whose params carry DDP's main_grad and flag, a config whose finalize function (Megatron's) runs the
+    held work first (the hook the model builder installs), and the micro-batch count of Megatron's calculator."""
     from sonic_megatron import wgrad
 
     monkeypatch.setattr(wgrad, "_num_microbatches", lambda: num_micro)
@@ -85,9 +85,10 @@ def _megatron_like(num_micro, monkeypatch):
         finalized.append([p.main_grad.clone() for p in params])
 
     class Config:
-        finalize_model_grads_func = staticmethod(finalize)
+        finalize_model_grads_func = None
 
     config = Config()
+    wgrad.finalize_runs_held_weight_grads(config, finalize)
     sink = wgrad.WeightGradSink(params, delay=False, config=config, pair=True)
     return sink, params, config, finalized
 
@@ -113,7 +114,7 @@ def test_sink_pairs_micro_batches_and_leaves_nothing_behind(num_micro, monkeypat
 
 def test_finalize_runs_work_left_held(monkeypatch):
     """A schedule that ends an iteration early (fewer backward calls than the calculator says): the finalize
-    wrapper runs the held micro-batch before Megatron's own finalize reads the gradients."""
+    hook runs the held micro-batch before Megatron's own finalize reads the gradients."""
     sink, params, config, finalized = _megatron_like(4, monkeypatch)
     works = [_work(8, 2, m) for m in range(3)]
     assert [sink.grads_for_autograd(w)[0] is None for w in works] == [True, False, True]
@@ -125,12 +126,39 @@ def test_finalize_runs_work_left_held(monkeypatch):
 
 
 def test_no_pairs_outside_megatron_schedules(monkeypatch):
-    """Without a finalize function (plain autograd, benchmarks) or without the option, nothing is held."""
+    """Without a config (plain autograd, benchmarks), with a finalize function that does not run held work
+    (a training loop that replaced the builder's hook) or without the option, nothing is held."""
     sink, params, config, _ = _megatron_like(4, monkeypatch)
     sink.config = None
     assert sink.grads_for_autograd(_work(8, 2, 0))[0] is not None
-    sink.config, sink.pair = config, False
+    hook = config.finalize_model_grads_func
+    config.finalize_model_grads_func = hook.finalize
+    sink.config = config
     assert sink.grads_for_autograd(_work(8, 2, 1))[0] is not None
+    config.finalize_model_grads_func, sink.pair = hook, False
+    assert sink.grads_for_autograd(_work(8, 2, 2))[0] is not None
+
+
+def test_finalize_hook_is_installed_once():
+    """The builder's hook wraps the finalize function it finds (Megatron's when there is none), is kept when
+    installed again, and stays the same object in a copied config."""
+    import copy
+
+    from megatron.core.distributed import finalize_model_grads
+
+    from sonic_megatron import wgrad
+
+    class Config:
+        finalize_model_grads_func = None
+
+    config = Config()
+    hook = wgrad.finalize_runs_held_weight_grads(config)
+    assert config.finalize_model_grads_func is hook and hook.finalize is finalize_model_grads
+    assert wgrad.finalize_runs_held_weight_grads(config) is hook
+    assert copy.deepcopy(config).finalize_model_grads_func is hook
+    own = Config()
+    own.finalize_model_grads_func = print
+    assert wgrad.finalize_runs_held_weight_grads(own).finalize is print
 
 
 def test_no_pairs_while_a_cuda_graph_is_captured(monkeypatch):

@@ -3,7 +3,7 @@
 One call (training or eval); the settings travel as one frozen ``EPOptions`` (or as its fields, by keyword)::
 
     from sonic_megatron.token_dispatch import EPOptions, TokenRounding, expert_parallel_experts
-    opts = EPOptions(rounding=TokenRounding("nearest", 128), num_chunks=1, by_source=False, comm_sms=0,
+    opts = EPOptions(rounding=TokenRounding("nearest", 128), num_chunks=1, comm_sms=0,
                      redispatch_x_in_backward=False, wgrad=None)
     out_TD = expert_parallel_experts(x_TD, routing, w1_EGD, w2_EDF, group=ep_group, num_experts=E,
                                      rounding_scores_TE=probs_TE, options=opts)
@@ -16,17 +16,10 @@ Step-wise, for Megatron's method split (each step its own autograd node, linked 
     y_recv = local_experts(x_recv, scores_recv, w1, w2, plan, options=opts)
     out_TD = combine(y_recv, plan)                     # one row per (token, rank) back; fixed-order sum
 
-Two micro-batches interleaved (the forward of B with the backward of A: each one's all-to-alls travel while
-the other one's kernels run; functional, gradients returned; ``interleave.py``)::
-
-    out_A, fwd_A = ep_forward(x_A, routing_A, w1, w2, group=ep_group, num_experts=E)
-    out_B, fwd_B, grads_A = ep_forward_backward(fwd_A, dout_A, x_B, routing_B, w1, w2, group=ep_group, num_experts=E)
-
 Refinements of the team contract (all contract names work as specified):
-  * ``make_plan`` also takes ``options`` (it reads ``rounding``, ``num_chunks``, ``by_source``: stages per
-    (chunk, source rank), ``activation``) and, optionally, ``x_TD``, ``w1_EGD``, ``w2_EDF``: given, they are
-    checked on every rank and compared across ranks in the plan's header exchange (a mismatch raises
-    ``EPInputError`` on all ranks instead of hanging in an all-to-all).
+  * ``make_plan`` also takes ``options`` (it reads ``rounding``, ``num_chunks``, ``activation``) and, optionally,
+    ``x_TD``, ``w1_EGD``, ``w2_EDF``: given, they are checked on every rank and compared across ranks in the plan's
+    header exchange (a mismatch raises ``EPInputError`` on all ranks instead of hanging in an all-to-all).
   * ``make_plan`` = ``finish_plan(start_plan(...))``: ``start_plan`` launches the plan's device work and its sizes
     exchange without waiting, ``finish_plan`` holds the host sync; GPU work queued between the two runs while the
     host waits (Megatron's dispatcher calls them in ``dispatch_preprocess`` and ``token_dispatch``).
@@ -38,15 +31,13 @@ Refinements of the team contract (all contract names work as specified):
   * Bad input, bad options included, raises ``EPInputError`` (a ``ValueError``) on every rank of the group.
   * ``redispatch_x_in_backward`` applies to ``expert_parallel_experts``; in the step-wise form
     ``local_experts`` caches the received rows.
-Modules: options (``EPOptions``), engine (one micro-batch's forward and backward steps: plan, dispatch,
-experts, combine), front-ends layer (one autograd node), stepwise (Megatron's method split), interleave (two
-micro-batches); plan (``EPPlan``/``make_plan``, decides rounding) from send_side (+ triton_send), sizes (the
-one counts exchange) and recv_side (+ triton_recv); rounding (+ triton_round), exchange (row movement), comm
-(collectives), validation (header), wgrad (deferral), launch_count (host-work counter of ``bench layer
---count-ops``).
+Modules: options (``EPOptions``), engine (one micro-batch's forward and backward: plan, dispatch, experts,
+combine), front-ends layer (one autograd node) and stepwise (Megatron's method split); plan
+(``EPPlan``/``make_plan``, decides rounding) from send_side (+ triton_send), sizes (the one counts exchange) and
+recv_side (+ triton_recv); rounding (+ triton_round), exchange (row movement), comm (collectives), validation
+(header), wgrad (deferral), launch_count (host-work counter of ``bench layer --count-ops``).
 """
 
-from .interleave import EPForward, EPGrads, ep_backward, ep_forward, ep_forward_backward
 from .layer import expert_parallel_experts
 from .options import EPOptions
 from .plan import EPPlan, StartedPlan, finish_plan, make_plan, start_plan
@@ -58,8 +49,6 @@ from .wgrad import DeferredWeightGrad
 __all__ = [
     "ROUNDING_MODES",
     "DeferredWeightGrad",
-    "EPForward",
-    "EPGrads",
     "EPInputError",
     "EPOptions",
     "EPPlan",
@@ -68,9 +57,6 @@ __all__ = [
     "TokenRounding",
     "combine",
     "dispatch",
-    "ep_backward",
-    "ep_forward",
-    "ep_forward_backward",
     "expert_parallel_experts",
     "finish_plan",
     "local_experts",

@@ -36,19 +36,14 @@ def group_fingerprint(group) -> int:
 
 
 class Pending:
-    """A list of in-flight collectives; ``wait()`` waits for all of them (in launch order).
-    ``eager=True`` waits for each one as soon as it is added (no overlap; for measuring what overlap hides)."""
+    """A list of in-flight collectives; ``wait()`` waits for all of them (in launch order)."""
 
-    def __init__(self, eager: bool = False) -> None:
+    def __init__(self) -> None:
         self._works: list = []
-        self._eager = eager
 
     def add(self, work) -> None:
         if work is not None:
-            if self._eager:
-                work.wait()
-            else:
-                self._works.append(work)
+            self._works.append(work)
 
     def wait(self) -> None:
         for w in self._works:
@@ -81,22 +76,10 @@ def all_to_all(
 def _group_all_to_all(group):
     """The process group's own all-to-all method, called directly: ``dist.all_to_all_single``'s Python wrapper
     (torch-function dispatch, argument checks that hold here by construction, exception logging) costs host time
-    on every call, and the interleaved step's speed follows its host (docs/PERF.md, "Expert parallelism").
+    on every call, and the layer's speed follows its host (docs/PERF.md, "Expert parallelism").
     Whichever of ``all_to_all_single`` / ``alltoall_base`` (older torch) the installed torch has."""
     method = getattr(group, "all_to_all_single", None)
     return method if method is not None else group.alltoall_base
-
-
-def send_recv(inp: torch.Tensor, to: int, out: torch.Tensor, frm: int, group) -> list:
-    """Send ``inp`` to group rank ``to`` and receive ``out`` from group rank ``frm`` as one async batch
-    (``batch_isend_irecv``: one NCCL group, only the two peers synchronise); returns the work handles.
-    Every rank of the group must call it at the same point (the by-source ring does). Empty tensors are
-    exchanged too, so that sends and receives always pair up."""
-    ops = [
-        dist.P2POp(dist.isend, inp.contiguous(), dist.get_global_rank(group, to), group),
-        dist.P2POp(dist.irecv, out, dist.get_global_rank(group, frm), group),
-    ]
-    return dist.batch_isend_irecv(ops)
 
 
 # torch >= 2.13 renames all_gather_into_tensor (and warns); the GPU image's torch 2.11 has only the old name.

@@ -5,28 +5,19 @@ from __future__ import annotations
 
 import torch
 
-from .comm import Pending, all_to_all, send_recv
+from .comm import Pending, all_to_all
 from .plan import EPPlan
 
 # The send side always passes the full buffer (all stages, sliced here); the receive side passes the stage's
 # own tensor (a slice of a full buffer, or a stage result such as one stage's expert output). A stage is a
-# chunk, or (by source) one (chunk, peer) exchange: see ``EPPlan.num_stages``.
+# token chunk: see ``EPPlan.num_stages``.
 
 
 def _exchange(plan: EPPlan, i: int, out: torch.Tensor, inp: torch.Tensor, pending, *, back: bool, pairs: bool) -> None:
     """Stage i's movement of ``inp`` into ``out``: rows (or ``pairs``) towards the experts, or ``back`` towards
-    their sources. By source, a stage is one send and one receive (point-to-point, every rank of the ring at
-    once); otherwise the chunk's all-to-all with its per-rank split sizes."""
-    if plan.is_local_stage(i):  # this rank's own rows: a device copy, no collective (the same on every rank)
-        out.copy_(inp)
-        return
-    c, dst, src = plan.stage_peers(i)
-    if plan.by_source:
-        for work in send_recv(inp, src if back else dst, out, dst if back else src, plan.group):
-            pending.add(work)
-        return
-    send = (plan.send_pairs if pairs else plan.send_rows)[c]
-    recv = (plan.recv_pairs if pairs else plan.recv_rows)[c]
+    their sources: the chunk's all-to-all with its per-rank split sizes."""
+    send = (plan.send_pairs if pairs else plan.send_rows)[i]
+    recv = (plan.recv_pairs if pairs else plan.recv_rows)[i]
     out_splits, in_splits = (send, recv) if back else (recv, send)
     pending.add(all_to_all(out, inp, out_splits, in_splits, plan.group, True))
 

@@ -1,9 +1,8 @@
 """``expert_parallel_experts``: the whole expert-parallel MoE experts block as ONE autograd node, pipelined.
 
-A thin front-end over ``engine.py``: plan (route, round), then the engine's forward steps run to their end in
-the autograd node's forward and its backward steps in the node's backward. Per stage (a token chunk, or with
-``by_source`` one (chunk, source rank) exchange), the dispatch of stage i+1 and the combine of stage i-1 are in
-flight while stage i computes; in backward each stage's weight-gradient GEMMs run while its dX / dS
+A thin front-end over ``engine.py``: plan (route, round), then the engine's forward in the autograd node's
+forward and its backward in the node's backward. Per token chunk, the dispatch of chunk i+1 and the combine of
+chunk i-1 are in flight while chunk i computes; in backward each stage's weight-gradient GEMMs run while its dX / dS
 all-to-alls travel. Shape legend: see ``send_side.py`` and ``plan.py``.
 """
 
@@ -21,9 +20,9 @@ from .options import EPOptions, parse_options
 class _EPExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, scores_R, w1, w2, plan, ops, options):
-        free = G.free_sms(plan, options, concurrent=False)
+        free = G.free_sms(plan, options)
         store_h = any(ctx.needs_input_grad[:4])
-        out_TD, saved = G.run_steps(G.forward_steps(x_TD, w1, w2, plan, ops, options, free=free, store_h=store_h))
+        out_TD, saved = G.forward(x_TD, w1, w2, plan, ops, options, free=free, store_h=store_h)
         ctx.plan, ctx.ops, ctx.options = plan, ops, options
         ctx.saved = dataclasses.replace(saved, x=None, s_recv=None, hs=[])  # tensors go through save_for_backward
         ctx.scores_like = (scores_R.shape, scores_R.dtype)
@@ -36,8 +35,9 @@ class _EPExperts(torch.autograd.Function):
         saved = dataclasses.replace(ctx.saved, x=x_saved, s_recv=s_recv, hs=hs)
         need = ctx.needs_input_grad
         want = (need[0], need[1], need[2] or need[3])
-        steps = G.backward_steps(grad_TD, saved, w1, w2, ctx.plan, ctx.ops, ctx.options, want, ctx.scores_like)
-        dx_TD, ds_R, dw1, dw2 = G.run_steps(steps)
+        dx_TD, ds_R, dw1, dw2 = G.backward(
+            grad_TD, saved, w1, w2, ctx.plan, ctx.ops, ctx.options, want, ctx.scores_like
+        )
         return dx_TD, ds_R, dw1, dw2, None, None, None
 
 
@@ -69,10 +69,9 @@ def expert_parallel_experts(
         return_plan: also return the ``EPPlan`` (split sizes, rounding decision; for tests and benchmarks).
         options, option_kw: ``EPOptions`` (keywords override its fields): activation, backend, rounding,
             num_chunks (pipeline in N token chunks; each expert's M shrinks N-fold, so pick N by measurement),
-            by_source, comm_sms (SMs the GEMMs leave free while a collective is in flight; the NCCL kernel needs
-            one SM per channel, NCCL_MAX_NCHANNELS; ``bench layer --comm-sms``), redispatch_x_in_backward,
-            wgrad (w1 and w2 must then be leaf tensors), overlap (False: every all-to-all waited for at once,
-            same bits, for benchmarks). A bad option raises ``EPInputError`` on every rank of the group.
+            comm_sms (SMs the GEMMs leave free while a collective is in flight; the NCCL kernel needs one SM per
+            channel, NCCL_MAX_NCHANNELS; ``bench layer --comm-sms``), redispatch_x_in_backward, wgrad (w1 and w2
+            must then be leaf tensors). A bad option raises ``EPInputError`` on every rank of the group.
     """
     opts, error = parse_options("expert_parallel_experts", options, option_kw)
     ops = G.experts_ops(opts, x_TD.device) if error is None else None  # with an error the plan raises

@@ -1,10 +1,10 @@
 """``EPOptions``: the settings of one expert-parallel layer call, one frozen object validated once.
 
-Every front-end (``expert_parallel_experts``, ``make_plan`` / ``local_experts``, ``ep_forward`` /
-``ep_forward_backward``) takes ``options=EPOptions(...)`` and, for convenience, the same fields as keywords
-(they override ``options``' fields). A bad value raises ``EPInputError`` naming the field, the expected and the
-given value; through a front-end that plans (``parse_options``) the error rides in the plan's header exchange,
-so every rank of the group raises it together instead of one rank leaving its peers in a collective.
+Every front-end (``expert_parallel_experts``, ``make_plan`` / ``start_plan`` / ``local_experts``) takes
+``options=EPOptions(...)`` and, for convenience, the same fields as keywords (they override ``options``' fields).
+A bad value raises ``EPInputError`` naming the field, the expected and the given value; through a front-end that
+plans (``parse_options``) the error rides in the plan's header exchange, so every rank of the group raises it
+together instead of one rank leaving its peers in a collective.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from .rounding import TokenRounding
 from .validation import MAX_CHUNKS, EPInputError
 from .wgrad import DeferredWeightGrad
 
-SM_RESERVATIONS = ("auto", "all")  # the GEMMs of an interleaved step that leave comm_sms SMs free
-
 
 @dataclass(frozen=True)
 class EPOptions:
@@ -30,13 +28,8 @@ class EPOptions:
         rounding: tile-aware token rounding across the group (training only; ``None`` = plain routing; the
             call then needs ``rounding_scores_TE``).
         num_chunks: pipeline the layer in N token chunks, each with its own all-to-alls, N in [1, 16].
-        by_source: pipeline each chunk by source rank as well (own rows first, then one point-to-point
-            exchange per peer); must be equal on all ranks. Not with ``ep_forward``.
         comm_sms: SMs the GEMMs leave free while a collective is in flight (0 = every SM to the GEMMs).
-        sm_reservation: in an interleaved step (``ep_forward_backward``), which GEMMs leave ``comm_sms`` free:
-            "auto" (the first of each forward / backward-data / weight-gradient call) or "all".
         redispatch_x_in_backward: cache only the local X and dispatch it again in backward.
-        overlap: False waits for every all-to-all right after its launch (same bits; for benchmarks).
         wgrad: defer the weight-gradient GEMMs to ``wgrad.compute()`` (Megatron's backward_dw).
     """
 
@@ -44,11 +37,8 @@ class EPOptions:
     backend: str = "auto"
     rounding: TokenRounding | None = None
     num_chunks: int = 1
-    by_source: bool = False
     comm_sms: int = 0
-    sm_reservation: str = "auto"
     redispatch_x_in_backward: bool = False
-    overlap: bool = True
     wgrad: DeferredWeightGrad | None = None
 
     def __post_init__(self) -> None:
@@ -58,8 +48,8 @@ class EPOptions:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(EPOptions))
-_BOOLS = ("by_source", "redispatch_x_in_backward", "overlap")
-_CHOICES = {"activation": ACTIVATIONS, "backend": BACKENDS, "sm_reservation": SM_RESERVATIONS}
+_BOOLS = ("redispatch_x_in_backward",)
+_CHOICES = {"activation": ACTIVATIONS, "backend": BACKENDS}
 
 
 def _is_int(v) -> bool:

@@ -19,12 +19,11 @@ receiver turns them into routing metadata over its L local experts whose "tokens
   3. send side (``send_side.py``), on the device before the sync, sized by R (the padded size with rounding:
      padding pairs have no destination and count nothing) and sliced after it;
   4. sizes (``sizes.py``): ONE all-gather of header + per (chunk, destination) counts and its copy to the host
-     are launched (``start_plan`` ends here: nothing has waited yet); the caller queues other work while it
-     travels (``before_sync``: ``ep_forward_backward`` launches the previous micro-batch's dO all-to-all there;
-     Megatron's method split: whatever its schedule runs between dispatch_preprocess and token_dispatch), then
-     ``finish_plan`` waits for that copy alone and checks the header -- the plan's one host sync, with or without
-     rounding; the real rounded pair count is this rank's sent pair count, so the padding is cut off with no
-     further sync;
+     are launched (``start_plan`` ends here: nothing has waited yet); the caller may queue other work while it
+     travels (Megatron's method split: whatever its schedule runs between dispatch_preprocess and
+     token_dispatch), then ``finish_plan`` waits for that copy alone and checks the header -- the plan's one
+     host sync, with or without rounding; the real rounded pair count is this rank's sent pair count, so the
+     padding is cut off with no further sync;
   5. receive side (``recv_side.py``): the pair-metadata all-to-alls (one per chunk) are launched and NOT waited
      for; the caller launches its row all-to-alls and only then touches ``plan.recv_meta`` /
      ``plan.recv_scores()``, which wait for them and build the receive metadata while the rows travel.
@@ -32,7 +31,6 @@ receiver turns them into routing metadata over its L local experts whose "tokens
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -65,8 +63,7 @@ class EPPlan:
     (the fixed summation order of combine).  send_rows / send_pairs / recv_rows / recv_pairs: host
     [N][P] split sizes.  recv_meta (property, built on first use): per chunk, RoutingMetadata over the L
     local experts of the received pairs (rows index that chunk's receive buffer).  recv_scores(): the
-    received pairs' scores.  rounding: the RoundingResult when rounding was applied.  by_source: stages per
-    (chunk, source rank).
+    received pairs' scores.  rounding: the RoundingResult when rounding was applied.
     """
 
     group: object
@@ -88,7 +85,6 @@ class EPPlan:
     recv_rows: list[list[int]]
     recv_pairs: list[list[int]]
     rounding: RoundingResult | None = None
-    by_source: bool = False
     _offsets: dict = field(default_factory=dict, repr=False)
     _incoming: IncomingPairs | None = field(default=None, repr=False)  # the pair all-to-alls (recv_side.py)
     _recv_meta: list | None = field(default=None, repr=False)
@@ -97,19 +93,18 @@ class EPPlan:
 
     @property
     def recv_meta(self) -> list[RoutingMetadata]:
-        """Per stage (``num_stages``), RoutingMetadata over the L local experts of the stage's received
+        """Per stage (``num_stages``: a chunk), RoutingMetadata over the L local experts of the stage's received
         pairs (rows index the stage's slice of the receive buffer). Built on first access, which waits for
         the plan's pair all-to-alls: call it after launching the row all-to-alls so that both are in flight
         together."""
         if self._recv_meta is None:
             self._recv_meta = recv_metadata(
                 self._incoming,
-                [self._stage_slices(i) for i in range(self.num_stages)],
+                [(*self.recv_pair_range(i), *self.recv_row_range(i)) for i in range(self.num_stages)],
                 rank=self.rank,
                 world_size=self.world_size,
                 num_local_experts=self.num_local_experts,
                 num_chunks=self.num_chunks,
-                by_source=self.by_source,
                 num_recv_rows=self.num_recv_rows,
                 pair_base=pair_base(self.world_size),
             )
@@ -120,31 +115,10 @@ class EPPlan:
         return scores_from_columns(self._incoming.meta_QC()[:, 2:], self.scores_R.dtype)
 
     # --- stages: the unit of pipelining -----------------------------------------------------------------
-    # Chunk mode (by_source False): stage i = chunk i, its all-to-alls move the chunk's rows between all ranks.
-    # By source: stage i = (chunk c, ring offset k), k = i mod P: this rank sends chunk c's rows for rank
-    # + k and receives those of rank - k (a point-to-point exchange); k = 0 is this rank's own rows, which
-    # need no communication, so the first stage's GEMMs start at once while stage 1's rows travel.
     @property
     def num_stages(self) -> int:
-        return self.num_chunks * (self.world_size if self.by_source else 1)
-
-    def stage_peers(self, i: int) -> tuple[int, int | None, int | None]:
-        """(chunk, destination rank, source rank) of stage i; (c, None, None) in chunk mode (all ranks)."""
-        if not self.by_source:
-            return i, None, None
-        c, k = divmod(i, self.world_size)
-        return c, (self.rank + k) % self.world_size, (self.rank - k) % self.world_size
-
-    def _stage_slices(self, i: int) -> tuple[int, int, int, int, int]:
-        """(expert group, first pair, end pair, first row, end row) of stage i in the receive buffers: its
-        receive metadata's experts are group g's -- segment c * P + source by source, chunk c otherwise."""
-        c, _, src = self.stage_peers(i)
-        g = c if src is None else c * self.world_size + src
-        return (g, *self.recv_pair_range(i), *self.recv_row_range(i))
-
-    def is_local_stage(self, i: int) -> bool:
-        """Stage i moves only this rank's own rows (by source, k = 0): a device copy, no collective."""
-        return self.by_source and i % self.world_size == 0
+        """Stage i = chunk i: its all-to-alls move the chunk's rows between all ranks."""
+        return self.num_chunks
 
     # --- host-side offsets inside the send / receive buffers (ordered chunk, then rank) -------------------
     def _cum(self, name: str) -> list[int]:
@@ -157,14 +131,6 @@ class EPPlan:
             self._offsets[name] = out
         return self._offsets[name]
 
-    def _range(self, name: str, i: int) -> tuple[int, int]:
-        c, dst, src = self.stage_peers(i)
-        peer = dst if name.startswith("send") else src
-        if peer is None:
-            return self.chunk_range(name, c)
-        o, P = self._cum(name), self.world_size
-        return o[c * P + peer], o[c * P + peer + 1]
-
     def chunk_range(self, name: str, c: int) -> tuple[int, int]:
         """Chunk c's range in the buffer counted by ``name`` (send_rows, send_pairs, recv_rows, recv_pairs)."""
         o, P = self._cum(name), self.world_size
@@ -172,17 +138,17 @@ class EPPlan:
 
     def send_row_range(self, i: int) -> tuple[int, int]:
         """Stage i's rows in the send buffer [S, D]."""
-        return self._range("send_rows", i)
+        return self.chunk_range("send_rows", i)
 
     def recv_row_range(self, i: int) -> tuple[int, int]:
         """Stage i's rows in the receive buffer [U, D]."""
-        return self._range("recv_rows", i)
+        return self.chunk_range("recv_rows", i)
 
     def send_pair_range(self, i: int) -> tuple[int, int]:
-        return self._range("send_pairs", i)
+        return self.chunk_range("send_pairs", i)
 
     def recv_pair_range(self, i: int) -> tuple[int, int]:
-        return self._range("recv_pairs", i)
+        return self.chunk_range("recv_pairs", i)
 
     def combine_meta(self) -> RoutingMetadata:
         """The combine sum as routing metadata for the kernels' gather-sum: "pairs" are (token, destination)
@@ -230,7 +196,6 @@ class StartedPlan:
     num_local_experts: int
     num_chunks: int
     num_tokens: int
-    by_source: bool
     error: str | None
     token_idx_R: torch.Tensor | None
     expert_idx_R: torch.Tensor | None
@@ -249,11 +214,11 @@ def make_plan(
     x_TD: torch.Tensor | None = None,
     w1_EGD: torch.Tensor | None = None,
     w2_EDF: torch.Tensor | None = None,
-    before_sync: Callable[[], object] | None = None,
     options: EPOptions | None = None,
     **option_kw,
 ) -> EPPlan:
-    """Plan one MoE layer call under expert parallelism (see the module docstring for its collectives).
+    """Plan one MoE layer call under expert parallelism (see the module docstring for its collectives):
+    ``finish_plan(start_plan(...))``.
 
     Args:
         routing: this rank's ``TopKRouting`` / ``FlatRouting`` over GLOBAL expert ids [0, E).
@@ -263,14 +228,9 @@ def make_plan(
         x_TD, w1_EGD, w2_EDF: optional; when given, their shapes and dtypes are validated (w1's against
             ``options.activation``) and compared across ranks in the same header exchange (recommended: a
             mismatch then raises on all ranks instead of failing or hanging inside an all-to-all).
-        before_sync: called once, after the first all-gather is launched and before the host waits for it,
-            on every rank (also when the inputs are bad, so every rank launches the same collectives): work
-            whose host cost should overlap that wait, e.g. launching another micro-batch's all-to-all. Its
-            collectives queue after the all-gather; it must not wait for the GPU.
         options, option_kw: ``EPOptions`` (keywords override its fields). The plan reads ``rounding``,
-            ``num_chunks`` (N contiguous token chunks, each with its own all-to-alls), ``by_source`` (every chunk
-            also split by source rank: ``EPPlan.num_stages`` = N * P) and ``activation``; all must be equal on
-            every rank (checked).
+            ``num_chunks`` (N contiguous token chunks, each with its own all-to-alls) and ``activation``; all
+            must be equal on every rank (checked).
     """
     started = start_plan(
         routing,
@@ -283,8 +243,6 @@ def make_plan(
         options=options,
         **option_kw,
     )
-    if before_sync is not None:
-        before_sync()
     return finish_plan(started)
 
 
@@ -329,23 +287,21 @@ def plan_layer(
     w1_EGD: torch.Tensor | None,
     w2_EDF: torch.Tensor | None,
     options_error: str | None = None,
-    before_sync: Callable[[], object] | None = None,
 ) -> EPPlan:
     """``make_plan`` with validated options; ``options_error`` (a caller's bad option) raises on every rank."""
-    started = _start_plan(
-        routing,
-        options,
-        num_experts=num_experts,
-        group=group,
-        rounding_scores_TE=rounding_scores_TE,
-        x_TD=x_TD,
-        w1_EGD=w1_EGD,
-        w2_EDF=w2_EDF,
-        options_error=options_error,
+    return finish_plan(
+        _start_plan(
+            routing,
+            options,
+            num_experts=num_experts,
+            group=group,
+            rounding_scores_TE=rounding_scores_TE,
+            x_TD=x_TD,
+            w1_EGD=w1_EGD,
+            w2_EDF=w2_EDF,
+            options_error=options_error,
+        )
     )
-    if before_sync is not None:
-        before_sync()
-    return finish_plan(started)
 
 
 def _start_plan(
@@ -364,7 +320,7 @@ def _start_plan(
     launches the same collectives, also with bad input (the error rides in the header)."""
     P, rank = group_size(group), group_rank(group)
     T = V.routing_num_tokens(routing)
-    rounding, by_source = options.rounding, options.by_source
+    rounding = options.rounding
     # 1. route: this rank's checks (an error rides in the header, so that every rank raises it), the flat pairs
     error = options_error
     if error is None:
@@ -406,7 +362,6 @@ def _start_plan(
         fingerprint=group_fingerprint(group),
         rounding=rounding,
         num_chunks=options.num_chunks,
-        by_source=by_source,
         w1_EGD=w1_EGD,
         w2_EDF=w2_EDF,
         activation=options.activation,
@@ -430,7 +385,6 @@ def _start_plan(
         num_local_experts=L,
         num_chunks=N,
         num_tokens=T,
-        by_source=by_source,
         error=error,
         token_idx_R=tok_R,
         expert_idx_R=exp_R,
@@ -475,7 +429,6 @@ def finish_plan(started: StartedPlan) -> EPPlan:
         recv_rows=sizes.recv_rows,
         recv_pairs=sizes.recv_pairs,
         rounding=rounded,
-        by_source=s.by_source,
     )
     # 5. receive side: the pair metadata leaves now, not waited for (``plan.recv_meta`` waits on first use)
     plan._incoming = launch_pair_all_to_alls(

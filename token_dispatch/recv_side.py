@@ -71,7 +71,6 @@ def recv_rows_keys_torch(
     num_chunks,
     pair_base,
     num_recv_rows,
-    by_source=False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row_Q, key_Q, token_offsets) int32 of the received pairs with PyTorch ops: the reference of (and the
     CPU path for) the one-launch Triton kernel ``triton_recv.py`` (its docstring defines them)."""
@@ -83,8 +82,7 @@ def recv_rows_keys_torch(
     seg_Q = torch.repeat_interleave(torch.arange(N * P, device=device), recv_pairs_NP, output_size=Q)
     seg_row0 = torch.cumsum(recv_rows_NP, 0) - recv_rows_NP  # first receive row of each (chunk, source)
     row_Q = meta_QC[:, 0].long() + seg_row0[seg_Q]  # row in the whole receive buffer (non-decreasing)
-    group_Q = seg_Q if by_source else torch.div(seg_Q, P, rounding_mode="floor")  # (chunk, source) or chunk
-    key_Q = group_Q * L + meta_QC[:, 1].long()
+    key_Q = torch.div(seg_Q, P, rounding_mode="floor") * L + meta_QC[:, 1].long()  # (chunk, local expert)
     token_offsets = run_offsets(row_Q, U)
     return row_Q.int(), key_Q.int(), token_offsets.int()
 
@@ -103,21 +101,19 @@ def _recv_rows_keys(meta_QC: torch.Tensor, counts_PW: torch.Tensor, **kw):
 
 def recv_metadata(
     incoming: IncomingPairs,
-    stages: list[tuple[int, int, int, int, int]],
+    stages: list[tuple[int, int, int, int]],
     *,
     rank: int,
     world_size: int,
     num_local_experts: int,
     num_chunks: int,
-    by_source: bool,
     num_recv_rows: int,
     pair_base: int,
 ) -> list[RoutingMetadata]:
-    """Per stage, RoutingMetadata of the stage's received pairs over the L local experts (rows index that
-    stage's slice of the receive buffer). Built ONCE for all stages -- experts (stage, local expert), i.e.
-    N*L (chunk mode) or N*P*L (by source) of them, so stage i's expert-sorted rows are exactly its pair
-    range -- then shifted per stage (5 int32 ops a stage). ``stages``: per stage (its expert group g: chunk, or
-    (chunk, source) segment by source; its pairs [q0, q1) and rows [u0, u1) in the receive buffers).
+    """Per stage (a chunk), RoutingMetadata of the stage's received pairs over the L local experts (rows index
+    that stage's slice of the receive buffer). Built ONCE for all stages -- experts (chunk, local expert), N*L of
+    them, so stage i's expert-sorted rows are exactly its pair range -- then shifted per stage (5 int32 ops a
+    stage). ``stages``: per stage, its pairs [q0, q1) and rows [u0, u1) in the receive buffers.
     ``pair_base``: the column of the first pair count in ``incoming.counts_PW``."""
     L = num_local_experts
     row_Q, key_Q, token_offsets = _recv_rows_keys(
@@ -129,7 +125,6 @@ def recv_metadata(
         num_chunks=num_chunks,
         pair_base=pair_base,
         num_recv_rows=num_recv_rows,
-        by_source=by_source,
     )
     meta = _metadata_builder(incoming.counts_PW.device)(row_Q, key_Q, token_offsets, len(stages) * L)
     if len(stages) == 1:
@@ -142,5 +137,5 @@ def recv_metadata(
             s_reverse_scatter_idx=meta.s_reverse_scatter_idx[q0:q1] - q0,
             token_offsets=meta.token_offsets[u0 : u1 + 1] - q0,
         )
-        for g, q0, q1, u0, u1 in stages
+        for g, (q0, q1, u0, u1) in enumerate(stages)
     ]

@@ -35,6 +35,7 @@ and the kernels skip those.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, replace
 
 import torch
@@ -43,7 +44,66 @@ from ..kernels.routing import FlatRouting, TopKRouting
 from .comm import all_gather, group_rank
 from .validation import EPInputError, duplicate_pairs_message
 
-ROUNDING_MODES = ("nearest", "up", "down")
+
+class RoundingMode(enum.StrEnum):
+    """Where token rounding takes each expert's count: the multiple of the tile nearest to it, above it or below
+    it (``TARGET_RULES`` says exactly how)."""
+
+    NEAREST = "nearest"
+    UP = "up"
+    DOWN = "down"
+
+
+ROUNDING_MODES = tuple(mode.value for mode in RoundingMode)  # the names, for messages and argument choices
+NO_ROUNDING = "none"  # SonicConfig.token_rounding's word for off; a TokenRounding is never off (pass None instead)
+
+
+def check_mode(name: str, mode: object, *, off: str | None = None) -> None:
+    """The one rule for a rounding mode (``TokenRounding.mode``; ``SonicConfig.token_rounding`` with ``off="none"``):
+    one of ``ROUNDING_MODES`` (a ``RoundingMode`` or its name), or ``off`` where the caller has a word for no
+    rounding. Raises ValueError naming ``name``, the allowed and the given value."""
+    allowed = (*((off,) if off is not None else ()), *ROUNDING_MODES)
+    if isinstance(mode, str) and mode in allowed:
+        return
+    hint = ""
+    if off is None and mode == NO_ROUNDING:
+        hint = "; for no token rounding pass rounding=None instead of a TokenRounding"
+    raise ValueError(f"{name} must be one of {allowed}, got {mode!r} ({type(mode).__name__}){hint}")
+
+
+def check_tile(name: str, tile: object) -> None:
+    """The one rule for a rounding tile (``TokenRounding.tile``, ``SonicConfig.rounding_tile``): an int >= 1 that is
+    not a bool (``bool`` subclasses ``int``: True would pass as 1). TypeError for another type, ValueError for a
+    smaller int; both name ``name``, the rule and the given value."""
+    if isinstance(tile, bool) or not isinstance(tile, int):
+        raise TypeError(f"{name} must be an int >= 1, got {tile!r} ({type(tile).__name__})")
+    if tile < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {tile!r}")
+
+
+@dataclass(frozen=True)
+class TargetRule:
+    """How one mode rounds an expert's routed count f to a multiple of the tile M. With lo = f rounded down to a
+    multiple of M and r = f - lo, the target is lo + M where
+
+    * 2r > ``up_past_half_tiles`` * M (0: any remainder, 1: more than half a tile, 2: never), or
+    * 2r == ``up_past_half_tiles`` * M and lo / M is odd, when ``ties_to_even`` (a remainder of exactly half a tile
+      goes to the even multiple, as ``torch.round`` does), or
+    * lo == 0 < f, when ``keep_one_tile`` (an expert that top-K routed to is never emptied),
+
+    else lo. A target above the tokens available falls back to lo. Both implementations read these constants:
+    ``round_targets`` (PyTorch) and ``triton_round._select_kernel`` (as constexpr arguments)."""
+
+    up_past_half_tiles: int
+    ties_to_even: bool
+    keep_one_tile: bool
+
+
+TARGET_RULES = {
+    RoundingMode.NEAREST: TargetRule(up_past_half_tiles=1, ties_to_even=True, keep_one_tile=True),
+    RoundingMode.UP: TargetRule(up_past_half_tiles=0, ties_to_even=False, keep_one_tile=False),
+    RoundingMode.DOWN: TargetRule(up_past_half_tiles=2, ties_to_even=False, keep_one_tile=False),
+}
 
 
 @dataclass(frozen=True)
@@ -56,18 +116,22 @@ class TokenRounding:
             with the best non-routed tokens) or ``"down"`` (always drop the weakest pairs). The guard departs
             from SonicMoE's nearest rounding, which empties such experts: those experts then learn nothing
             from the micro-batch, and early in training many experts hold fewer than tile / 2 pairs. The guard
-            measured a lower loss than SonicMoE's rule (docs/PERF.md, "Token rounding").
-        tile: the GEMM M tile the counts are rounded to (default 128, the Hopper kernels' M tile).
+            measured a lower loss than SonicMoE's rule (docs/PERF.md, "Token rounding"). There is no ``"none"``
+            mode: no rounding is ``rounding=None`` (``SonicConfig.token_rounding="none"`` maps to it).
+        tile: the GEMM M tile the counts are rounded to (default 128, the Hopper kernels' M tile); an int >= 1,
+            not a bool. Both are checked by the rules ``SonicConfig`` uses too (``check_mode``, ``check_tile``).
     """
 
     mode: str = "nearest"
     tile: int = 128
 
     def __post_init__(self) -> None:
-        if self.mode not in ROUNDING_MODES:
-            raise ValueError(f"TokenRounding.mode must be one of {ROUNDING_MODES}, got {self.mode!r}")
-        if not isinstance(self.tile, int) or self.tile < 1:
-            raise ValueError(f"TokenRounding.tile must be an int >= 1, got {self.tile!r}")
+        check_mode("TokenRounding.mode", self.mode)
+        check_tile("TokenRounding.tile", self.tile)
+
+    @property
+    def rule(self) -> TargetRule:
+        return TARGET_RULES[RoundingMode(self.mode)]
 
 
 @dataclass(frozen=True)
@@ -84,16 +148,18 @@ class RoundingResult:
     added: torch.Tensor  # int64 scalar: pairs added on this rank
 
 
-def _targets(f_E: torch.Tensor, total_tokens: torch.Tensor, rounding: TokenRounding) -> torch.Tensor:
-    M = rounding.tile
-    lo = torch.div(f_E, M, rounding_mode="floor") * M
-    if rounding.mode == "down":
-        return lo
-    if rounding.mode == "up":
-        t = torch.where(f_E % M == 0, f_E, lo + M)
-    else:  # nearest; an expert that top-K routed to keeps at least one tile (see TokenRounding)
-        t = torch.round(f_E.double() / M).long() * M
-        t = torch.where((f_E > 0) & (t == 0), M, t)
+def round_targets(f_E: torch.Tensor, total_tokens: torch.Tensor, rounding: TokenRounding) -> torch.Tensor:
+    """Every expert's target count t_e [E] int64 from its routed count f_e, by ``rounding.rule`` (``TargetRule``)."""
+    M, rule = rounding.tile, rounding.rule
+    q = torch.div(f_E, M, rounding_mode="floor")
+    lo = q * M
+    twice_r, edge = 2 * (f_E - lo), rule.up_past_half_tiles * M
+    up = twice_r > edge
+    if rule.ties_to_even:
+        up = up | ((twice_r == edge) & (q % 2 == 1))
+    if rule.keep_one_tile:
+        up = up | ((lo == 0) & (f_E > 0))
+    t = torch.where(up, lo + M, lo)
     return torch.where(t > total_tokens, lo, t)
 
 
@@ -158,7 +224,7 @@ def round_routing_padded(
 
     f_E = all_PE[:, :, 0].sum(0).long()
     total_tokens = all_PE[:, 0, 1].sum().long()
-    t_E = _targets(f_E, total_tokens, rounding)
+    t_E = round_targets(f_E, total_tokens, rounding)
     delta_E = t_E - f_E
     C = _CAND_COLS
     drop_tok_EW = _cut(all_PE[:, :, C : C + M], all_PE[:, :, C + M : C + 2 * M], (-delta_E).clamp(min=0), False, rank)
@@ -352,7 +418,7 @@ def round_local_torch(
     f_E = torch.zeros(E, dtype=torch.int64, device=device).index_add_(
         0, idx_TK.reshape(-1), torch.ones(T * K, dtype=torch.int64, device=device)
     )
-    delta_E = _targets(f_E, torch.full_like(f_E, T), rounding) - f_E
+    delta_E = round_targets(f_E, torch.full_like(f_E, T), rounding) - f_E
     adds_E = delta_E > 0
     adds_TK = adds_E[idx_TK]
     # Keys: int32 ordering like the score; ~key reverses the order (the lowest routing score is the largest).

@@ -1,9 +1,8 @@
 """Step-wise front-end for Megatron's method split: ``dispatch`` -> ``local_experts`` -> ``combine``, each its own
 autograd node linked only through tensors, built from the engine's pieces (``engine.py``). Shape legend: see
-``send_side.py`` and ``plan.py``; one buffer holds all stages (chunks, or (chunk, source) exchanges with
-``by_source``) in receive order, so the step-wise form runs every stage's all-to-all at once (no pipelining:
-that is ``expert_parallel_experts``' job). Weight gradients of ``local_experts`` run right after dX is
-computed; ``options.wgrad`` defers them to ``DeferredWeightGrad.compute()``.
+``send_side.py`` and ``plan.py``; one buffer holds all chunks in receive order, so the step-wise form runs every
+chunk's all-to-all at once (no pipelining: that is ``expert_parallel_experts``' job). Weight gradients of
+``local_experts`` run right after dX is computed; ``options.wgrad`` defers them to ``DeferredWeightGrad.compute()``.
 """
 
 from __future__ import annotations
@@ -42,6 +41,11 @@ class _Dispatch(torch.autograd.Function):
         return dx_TD, ds_R, None
 
 
+def _concat(per_chunk: list[torch.Tensor]) -> torch.Tensor:
+    """The chunks' results in receive-buffer order (the chunks' ranges follow each other)."""
+    return per_chunk[0] if len(per_chunk) == 1 else torch.cat(per_chunk)
+
+
 class _LocalExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_UD, s_Q, w1, w2, plan, ops, options):
@@ -56,7 +60,7 @@ class _LocalExperts(torch.autograd.Function):
         ctx.plan, ctx.ops, ctx.options = plan, ops, options
         # Cached: the received (deduplicated) token rows, H per chunk, scores; never per-pair copies.
         ctx.save_for_backward(x_UD, s_Q, w1, w2, *hs)
-        return G.in_buffer_order(ys, plan.recv_row_range)
+        return _concat(ys)
 
     @staticmethod
     def backward(ctx, dy_UD):
@@ -76,8 +80,8 @@ class _LocalExperts(torch.autograd.Function):
             if want_w:
                 dws = G.weight_grads(ops, dO, x, ap, dH, meta, w1, w2, o.wgrad, dws, plan.num_stages, o.comm_sms)
         dw1, dw2 = G.in_weight_dtype(dws, w1, w2)
-        dx_UD = G.in_buffer_order(dxs, plan.recv_row_range)
-        ds_Q = G.in_buffer_order(dss, plan.recv_pair_range).to(s_Q.dtype)
+        dx_UD = _concat(dxs)
+        ds_Q = _concat(dss).to(s_Q.dtype)
         return dx_UD, ds_Q, dw1, dw2, None, None, None
 
 
@@ -121,8 +125,9 @@ def local_experts(
         wgrad: defer the weight-gradient GEMMs to ``wgrad.compute()`` (Megatron's backward_dw).
         comm_sms: SMs left free for a collective that runs beside these GEMMs (Megatron's 1F1B EP overlap runs
             another micro-batch's all-to-all beside this node): in the first GEMM of the forward and of the
-            backward-data call (later GEMMs get every SM, as ``ep_forward_backward``'s "auto" policy), and in the
-            weight-gradient GEMMs. 0 = every SM (persistent GEMMs then keep NCCL's kernel waiting). Same bits.
+            backward-data call (the NCCL kernel started beside it keeps its SMs; the later GEMMs take every SM,
+            with the cute backend's dynamic tile scheduler, ``kernels/cute/ops.py``), and in the weight-gradient
+            GEMMs. 0 = every SM (persistent GEMMs then keep NCCL's kernel waiting). Same bits.
     """
     opts = resolve_options("local_experts", options, option_kw)
     if tuple(x_recv.shape[:1]) != (plan.num_recv_rows,) or tuple(scores_recv.shape) != (plan.num_recv_pairs,):

@@ -8,8 +8,7 @@ buffers; segment j holds ``counts[p, c*P + rank]`` rows and ``counts[p, pair_bas
 
 Outputs (int32), as ``recv_side.recv_rows_keys_torch`` (the reference and the CPU path):
     row_Q          receive-buffer row of each pair (segment's first row + row within the segment)
-    key_Q          expert of each pair over N*L "chunk experts": c * L + local expert; with ``by_source``
-                   over N*P*L "segment experts": (c * P + p) * L + local expert
+    key_Q          expert of each pair over N*L "chunk experts": c * L + local expert
     token_offsets  [U + 1] CSR offsets of each row's pairs: the first pair of row u, Q at the end
 
 Each program takes BLOCK pairs and walks the N*P segment sizes (at most 16 * P) to place them. Every
@@ -37,7 +36,6 @@ def _recv_rows_keys_kernel(
     P,
     L,
     NP,
-    GROUP_DIV,
     Q,
     U,
     row_ptr,
@@ -65,7 +63,7 @@ def _recv_rows_keys_kernel(
         n_pairs = tl.load(base + pair_base)
         pend = pstart + n_pairs
         row = tl.where((q >= pstart) & (q < pend), rloc + rstart, row)
-        key = tl.where((q >= pstart) & (q < pend), lexp + (j // GROUP_DIV) * L, key)
+        key = tl.where((q >= pstart) & (q < pend), lexp + c * L, key)
         row_p = tl.where((qp >= pstart) & (qp < pend), rloc_p + rstart, row_p)
         pstart = pend
         rstart = rstart + n_rows
@@ -87,7 +85,6 @@ def ep_recv_rows_keys(
     num_chunks: int,
     pair_base: int,
     num_recv_rows: int,
-    by_source: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row_Q, key_Q, token_offsets) int32 of the received pairs (see the module docstring).
 
@@ -98,7 +95,6 @@ def ep_recv_rows_keys(
         rank, world_size, num_local_experts, num_chunks: r, P, L, N.
         pair_base: column offset of the pair counts in ``counts_PW``.
         num_recv_rows: U (host-known after the plan's sync).
-        by_source: key the pairs by (chunk, source) segment instead of by chunk.
     """
     Q = meta_QC.shape[0]
     if meta_QC.dtype != torch.int32 or meta_QC.dim() != 2 or meta_QC.shape[1] < 2 or meta_QC.stride(1) != 1:
@@ -123,7 +119,6 @@ def ep_recv_rows_keys(
         world_size,
         num_local_experts,
         num_chunks * world_size,
-        1 if by_source else world_size,
         Q,
         num_recv_rows,
         row_Q,

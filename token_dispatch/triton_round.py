@@ -11,7 +11,7 @@ P = T*K + E*W the padded pair count (``rounded_pairs_bound``), B = ceil(T / 8) b
    one's like its dense router probability; an int8 flag per (expert, token), [E, T]: 1 + the pair's top-K slot,
    0 where the token did not route to the expert; each token's pair count, K, into the scan buffer.
 2. ``_select_kernel`` (grid: experts): the expert's routed count f_e (its row of flags), its target t_e
-   (``TokenRounding``), n = |t_e - f_e| and the n largest keys among its routed tokens (drop, t_e < f_e) or its
+   (``rounding.TargetRule``), n = |t_e - f_e| and the n largest keys among its routed tokens (drop, t_e < f_e) or its
    non-routed ones (add), ties to the lower token: the cut is (thr, cut) = key and token of the n-th, found bit by
    bit over the keys as uint32 (held in registers for rows of up to ``_MAX_BLOCK`` tokens, else re-read per pass),
    from the bits that the side's largest and smallest keys share, and stopping at the first threshold with
@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from ..kernels.routing import FlatRouting, RoutingMetadata, TopKRouting
+from .rounding import TARGET_RULES, RoundingMode
 
 _MAX_BLOCK = 32768  # the longest row that _select_kernel's search holds in registers
 # tokens per step of _select_kernel's other passes over its row: streaming the row in steps leaves the registers to
@@ -48,7 +49,6 @@ _STREAM_BLOCK = 4096
 # _keys_kernel's program: 32 experts x 128 tokens, tokens fastest (the [E, T] stores' order), 4 warps: the fastest
 # of the tilings measured, among them tokens x experts tiles in the dense read's order
 _KEYS_TOKENS, _KEYS_EXPERTS, _KEYS_WARPS = 128, 32, 4
-_MODES = {"nearest": 0, "up": 1, "down": 2}
 # _place_kernel's program: 8 tokens x 32 experts per step on one warp (tokens x experts, warps): as fast as the
 # best of the larger tilings measured over the token and expert counts tried
 _PLACE_TOKENS, _PLACE_EXPERTS, _PLACE_WARPS = 8, 32, 1
@@ -167,7 +167,9 @@ def _select_kernel(
     offsets_ptr,
     prefix_ptr,
     T,
-    MODE: tl.constexpr,
+    UP_PAST_HALF_TILES: tl.constexpr,
+    TIES_TO_EVEN: tl.constexpr,
+    KEEP_ONE_TILE: tl.constexpr,
     TILE: tl.constexpr,
     T_BITS: tl.constexpr,
     BT: tl.constexpr,
@@ -188,15 +190,15 @@ def _select_kernel(
     for s0 in range(0, T, SB):
         t = s0 + tl.arange(0, SB)
         f += tl.sum((tl.load(row_routed + t, mask=t < T, other=0) > 0).to(tl.int32), axis=0)
+    # the mode's target (rounding.TargetRule, whose constants these are)
     lo = (f // TILE) * TILE
-    if MODE == 2:
-        target = lo
-    elif MODE == 1:
-        target = tl.where(f % TILE == 0, f, lo + TILE)
-    else:  # nearest multiple, half to even (as torch.round on f / TILE); a routed expert keeps one tile
-        r = f - lo
-        up = (2 * r > TILE) | ((2 * r == TILE) & ((lo // TILE) % 2 == 1))
-        target = tl.where(up | ((lo == 0) & (f > 0)), lo + TILE, lo)
+    twice_r = 2 * (f - lo)
+    up = twice_r > UP_PAST_HALF_TILES * TILE
+    if TIES_TO_EVEN:
+        up = up | ((twice_r == UP_PAST_HALF_TILES * TILE) & ((lo // TILE) % 2 == 1))
+    if KEEP_ONE_TILE:
+        up = up | ((lo == 0) & (f > 0))
+    target = tl.where(up, lo + TILE, lo)
     target = tl.where(target > T, lo, target)
     tl.store(offsets_ptr + T + 2 + e, target)  # the expert's rows, scanned after the tokens' counts
     delta = target - f
@@ -443,13 +445,16 @@ def round_local_triton(routing: TopKRouting, dense_TE: torch.Tensor, num_experts
         idx_TK, scores_TK, dense_TE, key_ET, routed_ET, scan, T, E, K=K, BT=BT, BE=BE, num_warps=_KEYS_WARPS
     )
     block = max(triton.next_power_of_2(T), _PLACE_TOKENS)
+    rule = TARGET_RULES[RoundingMode(mode)]
     _select_kernel[(E,)](
         key_ET,
         routed_ET,
         scan,
         prefix_EB,
         T,
-        MODE=_MODES[mode],
+        UP_PAST_HALF_TILES=rule.up_past_half_tiles,
+        TIES_TO_EVEN=rule.ties_to_even,
+        KEEP_ONE_TILE=rule.keep_one_tile,
         TILE=tile,
         T_BITS=max(int(T - 1).bit_length(), 1),
         BT=min(block, _MAX_BLOCK),

@@ -13,9 +13,10 @@ Header fields (int64):
     8 rounding tile   9 num_chunks     10 min expert index        11 max expert index
    12 token index problem (1: out of [0, T) or unsorted)           13 local experts of w1 (-1 unknown)
    14 G (w1 rows)    15 F (w2 cols)    16 activation code          17 K (-1 for flat routing)
-   18 by_source (stages per source rank: 1, else 0)
-   19 duplicate (token, expert) pairs under token rounding (1: some, 0: none, -1: not rounding)
-Fields 10-12 and 19 are computed on the device and read back in the same host copy as the split sizes.
+   18 duplicate (token, expert) pairs under token rounding (1: some, 0: none, -1: not rounding)
+   19 a routing row naming an expert twice: top-K 1 (some) or 0; flat the first such pair as
+      token * 2^32 + expert (-1: none)
+Fields 10-12, 18 and 19 are computed on the device and read back in the same host copy as the split sizes.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from ..kernels.routing import INDEX_DTYPES, FlatRouting, TopKRouting
 from .comm import all_gather_strings
 
 HEADER_LEN = 20
+_INDEX_STAT_FIELDS = (10, 11, 12, 19)  # where ``index_stats``' values go
+_KEY_SHIFT = 32  # field 19's key: token << 32 | expert (indices < 2^31: int32 or in-range int64)
+_NO_KEY = torch.iinfo(torch.int64).max
 MAX_CHUNKS = 16  # num_chunks limit: the counts exchange has a fixed size (see plan.py)
-ROUNDING_CODES = {None: 0, "nearest": 1, "up": 2, "down": 3}
 _DTYPE_CODES = {dt: i for i, dt in enumerate(FLOAT_DTYPES)}
 
 # Fields every rank must agree on: (index, name).
@@ -46,8 +49,18 @@ _SAME_ON_ALL_RANKS = (
     (14, "w1.shape[1]"),
     (15, "w2.shape[2]"),
     (16, "activation"),
-    (18, "by_source"),
 )
+
+
+def rounding_code(rounding) -> int:
+    """Header field 7: 0 without token rounding, else 1 + the mode's place in ``rounding.ROUNDING_MODES`` (99 for
+    a mode that is none of them)."""
+    from .rounding import ROUNDING_MODES  # imported here: rounding.py imports this module
+
+    mode = getattr(rounding, "mode", None)
+    if mode is None:
+        return 0
+    return ROUNDING_MODES.index(mode) + 1 if mode in ROUNDING_MODES else 99
 
 
 class EPInputError(ValueError):
@@ -88,7 +101,7 @@ def check_local(
     activation: str | None,
 ) -> None:
     """Raise EPInputError naming the argument, the expected and the actual value (this rank only). The options
-    (chunks, by_source, the activation's name, ...) were validated by ``EPOptions``."""
+    (chunks, the activation's name, ...) were validated by ``EPOptions``."""
     if not isinstance(num_experts, int) or num_experts < 1:
         fail("num_experts", "a positive int", num_experts)
     if num_experts % group_size:
@@ -184,7 +197,6 @@ def header(
     w2_EDF: torch.Tensor | None,
     activation: str | None,
     top_k: int,
-    by_source: bool = False,
     index_stats: list | None,
     duplicate_pairs: torch.Tensor | None = None,
     device: torch.device,
@@ -200,7 +212,7 @@ def header(
         4: num_experts if isinstance(num_experts, int) else -1,
         5: group_size,
         6: fingerprint,
-        7: ROUNDING_CODES.get(getattr(rounding, "mode", None), 99),
+        7: rounding_code(rounding),
         8: getattr(rounding, "tile", -1),
         9: num_chunks if isinstance(num_chunks, int) else -1,
         13: -1 if w1_EGD is None or w1_EGD.dim() != 3 else w1_EGD.shape[0],
@@ -208,14 +220,13 @@ def header(
         15: -1 if w2_EDF is None or w2_EDF.dim() != 3 else w2_EDF.shape[2],
         16: -1 if activation is None else (ACTIVATIONS.index(activation) if activation in ACTIVATIONS else 99),
         17: top_k,
-        18: int(by_source) if isinstance(by_source, bool) else -1,
     }
     host = [-1] * HEADER_LEN
     for i, v in vals.items():
         host[i] = v
-    stats = index_stats if index_stats is not None and not error else [-1, -1, -1]
-    on_device = {10 + i: v for i, v in enumerate(stats)}
-    on_device[19] = -1 if duplicate_pairs is None or error else duplicate_pairs
+    stats = index_stats if index_stats is not None and not error else [-1] * len(_INDEX_STAT_FIELDS)
+    on_device = dict(zip(_INDEX_STAT_FIELDS, stats, strict=True))
+    on_device[18] = -1 if duplicate_pairs is None or error else duplicate_pairs
     for i, v in on_device.items():
         host[i] = v if isinstance(v, int) else -1
     # Built on the host and copied without a stream sync: pinned memory, so the copy is truly asynchronous (a
@@ -254,8 +265,10 @@ def check_headers(headers_PH, local_error: str | None, group, num_experts: int) 
         if h[12] == 1:
             problems.append(f"rank {r}: routing.token_idx_R must be sorted ascending with values in [0, T = {h[1]})")
         # Rounding ran on indices clamped into range: duplicates mean something only where the indices are good.
-        if h[19] == 1 and not bad_experts and h[12] != 1:
+        if h[18] == 1 and not bad_experts and h[12] != 1:
             duplicates.append(r)
+        if h[19] not in (-1, 0) and not bad_experts and h[12] != 1:
+            problems.append(f"rank {r}: {duplicate_row_message(h[19], h[17])}")
     if duplicates:
         problems.append(duplicate_pairs_message(duplicates))
     if problems:
@@ -264,13 +277,52 @@ def check_headers(headers_PH, local_error: str | None, group, num_experts: int) 
         )
 
 
+def duplicate_row_message(value: int, top_k: int) -> str:
+    """The error for header field 19: for top-K routing (``top_k`` K) a flag, for flat routing (``top_k`` -1) the
+    key token << 32 | expert of the first pair named twice."""
+    if top_k != -1:
+        return (
+            f"routing.indices_TK must name K = {top_k} different experts in every row (a token routes to an expert "
+            "once), got a row that names one expert twice"
+        )
+    token, expert = value >> _KEY_SHIFT, value & ((1 << _KEY_SHIFT) - 1)
+    return (
+        f"the pairs of token {token} (routing.token_idx_R, routing.expert_idx_R) must be unique (a token routes to "
+        f"an expert once), got expert {expert} twice"
+    )
+
+
 def index_stats(token_idx_R: torch.Tensor, expert_idx_R: torch.Tensor, num_tokens: int, flat: bool) -> list:
-    """[min expert, max expert, token problem flag]: 0-d int64/bool device tensors (no host sync) or host ints
-    (all -1 for no pairs; flag 0 for top-K routing, whose tokens are 0..T-1 by construction)."""
+    """[min expert, max expert, token problem flag, duplicate pairs] (header fields 10, 11, 12, 19): 0-d
+    int64/bool device tensors (no host sync) or host ints (all -1 for no pairs; flag 0 for top-K routing, whose
+    tokens are 0..T-1 by construction). The last, meaningful where the indices are in range: for top-K routing 1
+    where a row names an expert twice, else 0; for flat routing the smallest key token << 32 | expert of a pair
+    named twice, -1 for none."""
     if expert_idx_R.numel() == 0:
-        return [-1, -1, -1]
-    lo, hi = expert_idx_R.long().aminmax()
+        return [-1, -1, -1, -1]
+    exp = expert_idx_R.long()
+    lo, hi = exp.aminmax()
     if not flat:
-        return [lo, hi, 0]
+        return [lo, hi, 0, _first_duplicate_topk(exp, num_tokens)]
     t = token_idx_R.long()
-    return [lo, hi, (t.min() < 0) | (t.max() >= num_tokens) | (t[1:] < t[:-1]).any()]
+    problem = (t.min() < 0) | (t.max() >= num_tokens) | (t[1:] < t[:-1]).any()
+    if exp.numel() < 2:
+        return [lo, hi, problem, -1]
+    keys = ((t << _KEY_SHIFT) + exp).sort().values
+    return [lo, hi, problem, _first_key(keys[1:], keys[1:] == keys[:-1])]
+
+
+def _first_duplicate_topk(exp_R: torch.Tensor, T: int):
+    """Field 19 of a top-K routing (pairs t * K + k): 1 where some row names an expert twice, else 0, on the
+    device. A flag rather than the row: the check runs on every expert-parallel call, so it costs as few launches
+    as it can (a row sort, one compare, one reduction); the error names the rule and the rank."""
+    K = exp_R.numel() // T
+    if K < 2:
+        return -1
+    sorted_TK = exp_R.reshape(T, K).sort(dim=1).values
+    return (sorted_TK[:, 1:] == sorted_TK[:, :-1]).any()
+
+
+def _first_key(keys: torch.Tensor, duplicate: torch.Tensor) -> torch.Tensor:
+    first = torch.where(duplicate, keys, _NO_KEY).amin()
+    return torch.where(first == _NO_KEY, -1, first)

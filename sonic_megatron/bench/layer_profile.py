@@ -1,4 +1,4 @@
-"""``bench layer``'s profiling: a torch.profiler table and trace per schedule (with the share of all-to-all
+"""``bench layer``'s profiling: a torch.profiler table and trace per chunk count (with the share of all-to-all
 kernel time under compute kernels), a cProfile table of the host work, and ``--count-ops`` (would-be kernel
 launches, collectives and host syncs of ours, ``token_dispatch.launch_count``).
 """
@@ -13,7 +13,7 @@ import torch.distributed as dist
 from .dispatch import sync
 
 
-def kernel_profile(fn, chunks: int, steps: int, out_dir: str, rank: int, device) -> None:
+def kernel_profile(fn, chunks: str, steps: int, out_dir: str, rank: int, device) -> None:
     """torch.profiler over ``steps`` calls; rank 0 writes the phase/kernel table and a Chrome trace."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -29,7 +29,7 @@ def kernel_profile(fn, chunks: int, steps: int, out_dir: str, rank: int, device)
     os.makedirs(out_dir, exist_ok=True)
     dev_key = "device_time_total" if device.type == "cuda" else "cpu_time_total"
     avgs = prof.key_averages()
-    lines = [f"profile chunks={chunks}, overlap on, {steps} steps, rank 0 (times are totals over the steps)"]
+    lines = [f"profile chunks={chunks}, {steps} steps, rank 0 (times are totals over the steps)"]
     lines.append(f"{'name':60s} {'calls':>6s} {'host ms':>9s} {'device ms':>10s}")
     rows = sorted(avgs, key=lambda e: getattr(e, dev_key, 0.0), reverse=True)
     phases = [e for e in rows if e.key.startswith("ep.")]
@@ -87,7 +87,7 @@ def host_profile(fn, label: str, steps: int, out_dir: str, rank: int, device) ->
     if rank != 0:
         return
     buf = io.StringIO()
-    buf.write(f"cProfile of ours, schedule {label}, overlap on, {steps} steps, rank 0\n")
+    buf.write(f"cProfile of ours, chunks {label}, {steps} steps, rank 0\n")
     stats = pstats.Stats(prof, stream=buf)
     stats.sort_stats("cumulative").print_stats(60)
     stats.sort_stats("tottime").print_stats(40)

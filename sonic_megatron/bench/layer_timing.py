@@ -1,8 +1,5 @@
-"""``bench layer``'s timing: the ``--chunks`` schedules, the interleaved rounds and their paired medians, and
+"""``bench layer``'s timing: the ``--chunks`` values, the interleaved rounds and their paired medians, and
 the two references of the all-to-all share -- the layer with its all-to-alls skipped and the all-to-alls alone.
-
-Legend: T tokens, D hidden size; a schedule is (N chunks, kind): kind "" = token chunks, "s" = by source rank,
-"i" = two micro-batches interleaved.
 """
 
 from __future__ import annotations
@@ -16,41 +13,31 @@ import torch.distributed as dist
 
 from .dispatch import sync
 
-SCHEDULE_KINDS = ("", "s", "i")  # token chunks, by source, two micro-batches interleaved
 
-
-def parse_schedule(text: str) -> tuple[int, str]:
-    """``--chunks`` entry: ``N`` (token chunks), ``Ns`` (N chunks, each split by source rank) or ``Ni`` (N
-    chunks, two micro-batches interleaved): (N, kind)."""
-    t = text.strip()
-    kind = t[-1:] if t[-1:] in SCHEDULE_KINDS[1:] else ""
-    n = t[: len(t) - len(kind)]
-    if not n.isdigit() or int(n) < 1:
-        raise SystemExit(f"--chunks: each entry must be N, Ns or Ni with N >= 1 (e.g. 1,2,1s,1i), got {text!r}")
-    return int(n), kind
-
-
-def schedule_label(sched: tuple[int, str]) -> str:
-    return f"{sched[0]}{sched[1]}"
+def parse_chunks(text: str) -> list[int]:
+    """``--chunks``: comma-separated chunk counts N >= 1 (at least one)."""
+    entries = [t.strip() for t in text.split(",") if t.strip()]
+    if not entries or any(not t.isdigit() or int(t) < 1 for t in entries):
+        raise SystemExit(f"--chunks: comma-separated chunk counts N >= 1 (e.g. 1,2), got {text!r}")
+    return [int(t) for t in entries]
 
 
 @contextlib.contextmanager
 def no_layer_a2a():
-    """Skip the layer's own all-to-alls / exchanges (token_dispatch.exchange's), not the plan's collectives: the
-    ``no a2a`` reference of a2a_hidden. Receive buffers keep stale contents; timing only."""
+    """Skip the layer's own all-to-alls (token_dispatch.exchange's), not the plan's collectives: the ``no a2a``
+    reference of a2a_hidden. Receive buffers keep stale contents; timing only."""
     from ..token_dispatch import exchange
 
-    saved = exchange.all_to_all, exchange.send_recv
+    saved = exchange.all_to_all
     exchange.all_to_all = lambda *a, **k: None
-    exchange.send_recv = lambda *a, **k: []
     try:
         yield
     finally:
-        exchange.all_to_all, exchange.send_recv = saved
+        exchange.all_to_all = saved
 
 
 def a2a_alone(plan, x, device):
-    """A call of the layer's all-to-alls alone with this plan (its stages): forward rows to the experts and
+    """A call of the layer's all-to-alls alone with this plan (its chunks): forward rows to the experts and
     rows back, backward dO rows to the experts and dX rows + dS back. (The forward's scores ride in the
     plan's pair-metadata all-to-all, which is part of the plan, not timed here.)"""
     from ..token_dispatch import exchange as X

@@ -1,0 +1,243 @@
+"""How one MoE layer's tokens reach its experts and come back: one mode object per layer, chosen when the layer
+is built (``choose_mode``).
+
+Shape legend: T tokens of this rank, H hidden, K top-K, Tr rows received by this rank (one per (source token,
+this rank), not one per pair).
+
+Megatron's MoELayer runs a forward as steps, each of which may be its own node of the 1F1B EP-overlap schedule;
+``SonicTokenDispatcher`` and ``SonicMoELayer.routed_experts_compute`` hand each step to the layer's mode:
+
+    preprocess(x [T, H], RouterOutput) -> (x, scores)   this micro-batch's routing is decided (rounding, plan)
+    dispatch(x, scores) -> (x_recv [Tr, H], scores_recv) tokens to the ranks of their experts
+    compute(x_recv, scores_recv) -> y_recv               this rank's experts
+    combine(y_recv) -> out [T, H]                        results back to their tokens
+
+Three modes:
+* ``LocalMode`` (expert-parallel size 1): nothing to dispatch; the experts read the routing directly.
+* ``ExpertParallelMode``: the steps above over token_dispatch's step-wise functions.
+* ``PipelinedMode`` (``SonicConfig.pipelined``): dispatch, experts and combine as one pipelined call in ``compute``.
+
+Scores travel as the steps' arguments: each step computes with the scores it is passed, so the only autograd
+links between steps are the tensors Megatron passes, as its overlap schedule requires. Between the steps of one
+forward a mode keeps one value (the routing, the started plan, the plan), replaced step by step, as Megatron's
+alltoall dispatcher keeps its splits; backward reads what it needs from autograd contexts only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from .kernels import FlatRouting, TopKRouting
+from .router import RouterOutput
+from .token_dispatch import EPPlan, StartedPlan, TokenRounding, combine, dispatch, finish_plan, round_local, start_plan
+
+if TYPE_CHECKING:
+    from .experts import SonicExperts
+    from .layer_options import LayerOptions
+
+
+class DispatchMode:
+    """What every mode holds: the layer's experts, its options, Megatron's config, the expert-parallel group
+    (None at size 1) and the global expert count."""
+
+    def __init__(self, experts: SonicExperts, options: LayerOptions, config, group, num_experts: int):
+        self.experts = experts
+        self.options = options
+        self.config = config
+        self.group = group
+        self.num_experts = num_experts
+
+    @property
+    def freed_by_1f1b_schedule(self) -> bool:
+        """Megatron's 1F1B EP-overlap schedule (``--overlap-moe-expert-parallel-comm``) releases the storage of the
+        inputs of its "moe_dispatch", "mlp" and "moe_combine" nodes right after their forward
+        (``should_free_input``), because the stock dispatcher copies tokens in its permutations. The modes pass
+        tokens on without those copies, so under that schedule a tensor that crosses a freed node boundary and is
+        read later is handed on as a private copy."""
+        return bool(getattr(self.config, "overlap_moe_expert_parallel_comm", False))
+
+    def rounding(self, routed: RouterOutput) -> TokenRounding | None:
+        """This micro-batch's token rounding: the layer's policy where the router gave the dense probabilities
+        (training), else None (plain top-K)."""
+        return None if routed.dense_probs_TE is None else self.options.rounding
+
+    def preprocess(self, x_TH: torch.Tensor, routed: RouterOutput) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def dispatch(self, x: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def compute(self, x_recv: torch.Tensor, scores_recv: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def combine(self, y_recv: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class LocalMode(DispatchMode):
+    """Expert-parallel size 1: no plan, no communication, no host sync. The experts read this micro-batch's
+    routing directly (top-K, or ``round_local``'s rounded flat routing); dispatch and combine pass tensors
+    through."""
+
+    routing: TopKRouting | FlatRouting | None = None  # this forward's, as preprocess decided it
+
+    def preprocess(self, x_TH, routed):
+        routing = TopKRouting(routed.scores_TK, routed.indices_TK)
+        rounding = self.rounding(routed)
+        if rounding is not None:
+            routing = round_local(routing, routed.dense_probs_TE, num_experts=self.num_experts, rounding=rounding)
+        scores = _scores(routing)
+        if self.freed_by_1f1b_schedule:
+            # x aliases the pre-MLP norm output (shared experts' backward reads it) and the routing holds the
+            # router's outputs: the schedule frees both
+            x_TH, scores, routing = x_TH.clone(), scores.clone(), _owning_indices(routing)
+        self.routing = routing
+        return x_TH, scores
+
+    def dispatch(self, x, scores):
+        if self.freed_by_1f1b_schedule:  # a pass-through node hands on copies, not the inputs the schedule frees
+            return x.clone(), scores.clone()
+        return x, scores
+
+    def compute(self, x_recv, scores_recv):
+        if self.freed_by_1f1b_schedule:  # the experts cache x for backward
+            x_recv = x_recv.clone()
+        return self.experts.compute(x_recv, _with_scores(self.routing, scores_recv))
+
+    def combine(self, y_recv):
+        return y_recv.clone() if self.freed_by_1f1b_schedule else y_recv
+
+
+class ExpertParallelMode(DispatchMode):
+    """Expert-parallel size > 1, one step per Megatron method: preprocess starts the plan, dispatch finishes it
+    (the one host sync) and sends every token once to each rank that holds one of its experts, compute runs this
+    rank's experts on the received rows (pre-reduced per row), combine sends the rows back and sums them per
+    token in a fixed order."""
+
+    _started: StartedPlan | None = None  # between preprocess and dispatch
+    plan: EPPlan | None = None  # this forward's, from dispatch on
+
+    def __init__(self, experts, options, config, group, num_experts):
+        super().__init__(experts, options, config, group, num_experts)
+        # what the plan reads of token_dispatch's options, with and without this layer's rounding
+        self._plan_options = options.ep
+        self._rounded_plan_options = (
+            dataclasses.replace(options.ep, rounding=options.rounding) if options.rounding is not None else None
+        )
+
+    def preprocess(self, x_TH, routed):
+        rounded = self.rounding(routed) is not None
+        # The plan's device work and its sizes exchange are launched here; its host sync waits in dispatch, so
+        # that work a schedule queues in between (Megatron's 1F1B EP overlap: another micro-batch's backward)
+        # keeps the GPU busy while the host waits.
+        self._started = start_plan(
+            TopKRouting(routed.scores_TK, routed.indices_TK),
+            num_experts=self.num_experts,
+            group=self.group,
+            rounding_scores_TE=routed.dense_probs_TE,
+            x_TD=x_TH,
+            options=self._rounded_plan_options if rounded else self._plan_options,
+        )
+        # The routing actually used (after rounding: padded, real pairs first), with autograd to the router.
+        scores = self._started.scores_R
+        if self.freed_by_1f1b_schedule:  # x aliases the pre-MLP norm output, which the schedule frees
+            x_TH, scores = x_TH.clone(), scores.clone()
+        return x_TH, scores
+
+    def dispatch(self, x, scores):
+        self.plan, self._started = finish_plan(self._started), None  # the host sync: the split sizes
+        # Dispatch the scores Megatron passed in (under the 1F1B overlap schedule: a detached copy of the plan's
+        # scores), so that autograd links between schedule nodes are only the tensors passed. With rounding they
+        # were padded: the real pairs come first.
+        num_pairs = self.plan.scores_R.shape[0]
+        if scores.shape[0] != num_pairs:
+            scores = scores[:num_pairs]
+        return dispatch(x, dataclasses.replace(self.plan, scores_R=scores))
+
+    def compute(self, x_recv, scores_recv):
+        beside_all_to_all = self.freed_by_1f1b_schedule  # another micro-batch's all-to-all runs beside this node
+        if beside_all_to_all:  # local_experts caches the received rows for backward
+            x_recv = x_recv.clone()
+        return self.experts.compute_received(x_recv, scores_recv, self.plan, beside_all_to_all=beside_all_to_all)
+
+    def combine(self, y_recv):
+        return combine(y_recv, self.plan)
+
+
+class PipelinedMode(DispatchMode):
+    """``SonicConfig.pipelined`` (num_chunks > 1 or redispatch_x_in_backward): planning, dispatch, experts and
+    combine all run in ``compute`` (token_dispatch's ``expert_parallel_experts``, where the all-to-all of one chunk
+    overlaps another chunk's GEMMs); the other steps pass tensors through. Megatron's 1F1B EP overlap cannot split
+    that node (refused when the layer is built)."""
+
+    routed: RouterOutput | None = None  # between preprocess and compute
+
+    def preprocess(self, x_TH, routed):
+        self.routed = routed
+        return x_TH, routed.scores_TK
+
+    def dispatch(self, x, scores):
+        return x, scores
+
+    def compute(self, x_recv, scores_recv):
+        routed, self.routed = self.routed, None  # the dense probabilities are not kept past this step
+        return self.experts.compute_expert_parallel(
+            x_recv,
+            TopKRouting(scores_recv, routed.indices_TK),
+            group=self.group,
+            num_experts=self.num_experts,
+            rounding_scores_TE=routed.dense_probs_TE,
+            rounding=self.rounding(routed),
+        )
+
+    def combine(self, y_recv):
+        return y_recv
+
+
+def choose_mode(experts: SonicExperts, options: LayerOptions, config, group) -> DispatchMode:
+    """The layer's mode: pipelined where ``SonicConfig.pipelined`` asks for it, else local without expert
+    parallelism (``group`` None), else step-wise expert parallel."""
+    if options.sonic.pipelined:
+        cls = PipelinedMode
+    elif group is None:
+        cls = LocalMode
+    else:
+        cls = ExpertParallelMode
+    return cls(experts, options, config, group, config.num_moe_experts)
+
+
+# -- the local routing -------------------------------------------------------------------------------------
+
+
+def _scores(routing: TopKRouting | FlatRouting) -> torch.Tensor:
+    return routing.scores_TK if isinstance(routing, TopKRouting) else routing.scores_R
+
+
+def _with_scores(routing: TopKRouting | FlatRouting, scores: torch.Tensor) -> TopKRouting | FlatRouting:
+    """The routing with the scores Megatron passed between the schedule's nodes (the autograd link)."""
+    if isinstance(routing, TopKRouting):
+        return TopKRouting(scores, routing.indices_TK)
+    return dataclasses.replace(routing, scores_R=scores)
+
+
+def _owning_indices(routing: TopKRouting | FlatRouting) -> TopKRouting | FlatRouting:
+    """A copy of the routing that owns its index tensors, metadata included (scores stay: the passed ones are
+    used)."""
+    if isinstance(routing, TopKRouting):
+        return TopKRouting(routing.scores_TK, routing.indices_TK.clone())
+    offsets = None if routing.token_offsets is None else routing.token_offsets.clone()
+    meta = routing.metadata
+    if meta is not None:
+        meta = dataclasses.replace(
+            meta, **{n: t.clone() for n, t in zip(meta.TENSOR_NAMES, meta.tensors(), strict=True)}
+        )
+    return dataclasses.replace(
+        routing,
+        token_idx_R=routing.token_idx_R.clone(),
+        expert_idx_R=routing.expert_idx_R.clone(),
+        token_offsets=offsets,
+        metadata=meta,
+    )
