@@ -12,6 +12,7 @@ Runs on a CPU-only machine with megatron-core >= 0.16 in well under two minutes.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -37,8 +38,8 @@ def parse_args(argv=None):
     )
     p.add_argument("--token-rounding", choices=ROUNDING_MODES, default=None, help="plugin only; default none")
     p.add_argument("--rounding-tile", type=int, default=None, help="token rounding multiple (>= 1; default 128)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    p.add_argument("--json", default=None, help="write losses/throughput as JSON (rank 0)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (> 0)")
+    p.add_argument("--json", default=None, help="write losses/throughput as JSON (rank 0; its folder must exist)")
     args = p.parse_args(argv)
     problem = argument_problem(args, world_size(args), PRESETS[args.preset].experts)
     if problem:
@@ -64,13 +65,19 @@ def argument_problem(args, world: int, num_experts: int) -> str | None:
         return f"--steps must be >= 1, got {args.steps}"
     if world < 1:
         return f"--nproc must be >= 1, got {world}"
-    ep = args.ep or world
+    ep = expert_parallel_size(args, world)
     if ep < 1 or world % ep != 0:
         return f"--ep must be >= 1 and divide the {world} processes, got {ep}"
     if num_experts % ep != 0:
         return f"--preset {args.preset} has {num_experts} experts, which --ep {ep} does not divide"
     if args.rounding_tile is not None and args.rounding_tile < 1:
         return f"--rounding-tile must be >= 1, got {args.rounding_tile}"
+    if not (math.isfinite(args.lr) and args.lr > 0):  # AdamW would refuse it in every process, after the spawn
+        return f"--lr must be a finite number > 0, got {args.lr!r}"
+    if args.json is not None:
+        problem = json_path_problem(args.json)
+        if problem:
+            return f"--json {args.json!r}: {problem}"
     if args.spec == "stock" and (args.backend or args.token_rounding or args.rounding_tile):
         return "--backend, --token-rounding and --rounding-tile choose plugin options: use them with --spec sonic"
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -83,6 +90,26 @@ def argument_problem(args, world: int, num_experts: int) -> str | None:
         reason = cute_unavailable_reason(device) if device.type == "cuda" else "it needs a CUDA GPU and none is visible"
     if reason:
         return f"backend 'cute' (--backend or SONIC_MEGATRON_BACKEND) cannot run on this machine: {reason}"
+    return None
+
+
+def expert_parallel_size(args, world: int) -> int:
+    """--ep, or every process when it is not given (0 is a value to refuse, not "not given")."""
+    return world if args.ep is None else args.ep
+
+
+def json_path_problem(path: str) -> str | None:
+    """Why the results cannot be written to ``path`` (checked before training, which would otherwise fail only at
+    its end); None when they can."""
+    if os.path.isdir(path):
+        return "is a folder; give a file path"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"its folder {folder} does not exist"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"its folder {folder} is not writable"
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        return "the file exists and is not writable"
     return None
 
 
@@ -104,7 +131,7 @@ def main_worker(rank: int, world: int, args) -> None:
     from sonic_megatron.gpt import PRESETS, build_model, train
     from sonic_megatron.testing import init_model_parallel
 
-    ep = args.ep or world
+    ep = expert_parallel_size(args, world)
     init_model_parallel(ep=ep)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

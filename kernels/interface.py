@@ -12,7 +12,6 @@ Weights use Megatron's convention, stacked over the local experts:
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable
 from types import ModuleType
 
@@ -20,6 +19,8 @@ import torch
 
 from . import torch_backend
 from .activations import ACTIVATIONS, is_gated
+from .backends import cute_config_reason, cute_device_reason, cute_import_reason, warn_once
+from .options import kernel_options
 from .routing import (
     INDEX_DTYPES,
     FlatRouting,
@@ -41,46 +42,33 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # compute.merged_with(later) is one work over both micro-batches' rows.
 WeightGradHook = Callable[[WeightGradWork], tuple[torch.Tensor | None, ...]]
 
-_warned: set[str] = set()
-
-
-def _warn_once(msg: str) -> None:
-    if msg not in _warned:
-        _warned.add(msg)
-        warnings.warn(msg, stacklevel=3)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Backend choice
 # ----------------------------------------------------------------------------------------------------------
 
 
 def cute_unavailable_reason(device: torch.device) -> str | None:
-    """Why the ``cute`` backend cannot run on ``device`` (None when it can)."""
+    """Why the ``cute`` backend cannot run on ``device`` (None when it can): the device rule of
+    ``backends.cute_device_reason``, then whether the backend imports."""
     if device.type != "cuda":
         return f"the input is on {device.type}, and the cute backend needs a CUDA GPU"
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) != (9, 0):
-        return f"the GPU is sm_{major}{minor}, and the cute backend supports Hopper (sm_90) only"
-    try:
-        from . import cute  # noqa: F401
-    except ImportError as exc:
-        return (
-            f"the cute backend could not be imported ({exc}); install the extra: pip install 'sonic-megatron[hopper]'"
-        )
-    return None
+    return cute_device_reason(tuple(torch.cuda.get_device_capability(device))) or cute_import_reason()
 
 
-def resolve_backend(backend: str, device: torch.device) -> ModuleType:
-    """The op module of a backend name (``auto`` picks ``cute`` on Hopper, else ``torch`` with a warning)."""
+def resolve_backend(backend: str, device: torch.device, config_reason: str | None = None) -> ModuleType:
+    """The op module of a backend name. ``auto`` picks ``cute`` where it runs (a Hopper ``device``, the backend
+    importable, and no ``config_reason``: why ``cute`` cannot take these inputs, ``backends.cute_config_reason``),
+    else ``torch`` with a warning naming the reason. An explicit ``cute`` ignores ``config_reason``: its kernels'
+    own check (``cute/ops.py::check_supported``, the same rule) raises, naming the argument."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    kernel_options()  # SONIC_MEGATRON_CUTE_TUNING / _TILES, read once on every machine: a bad value fails here too
     if backend == "auto":
-        reason = cute_unavailable_reason(device)
+        reason = cute_unavailable_reason(device) or config_reason
         if reason is None:
             backend = "cute"
         else:
-            _warn_once(f"sonic_megatron.kernels: backend='auto' uses the torch backend because {reason}.")
+            warn_once(f"sonic_megatron.kernels: backend='auto' uses the torch backend because {reason}.")
             backend = "torch"
     if backend == "torch":
         return torch_backend
@@ -95,6 +83,11 @@ def resolve_backend(backend: str, device: torch.device) -> ModuleType:
 # ----------------------------------------------------------------------------------------------------------
 # Validation (before any computation)
 # ----------------------------------------------------------------------------------------------------------
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """A tensor argument that is no tensor (e.g. a list): a TypeError, and a ValueError as every other bad input of
+    ``moe_experts`` is (callers catching ValueError keep working)."""
 
 
 def _fail(arg: str, expected: str, got: object) -> None:
@@ -116,15 +109,22 @@ def validate_inputs(
     activation: str,
     check_indices: bool | None,
 ) -> None:
-    """Raise ValueError naming the argument, the expected and the actual value. Index values are read
-    back to the host only when ``check_indices`` (default: True on CPU, False on GPU, to keep training
-    free of syncs; out-of-range indices then trip PyTorch's device asserts or are undefined in kernels)."""
+    """Raise ValueError naming the argument, the expected and the actual value (TypeError where a tensor argument
+    is not a tensor). Index values are read back to the host only when ``check_indices`` (default: True on CPU,
+    False on GPU, to keep training free of syncs; out-of-range indices then trip PyTorch's device asserts or are
+    undefined in kernels): their range, the order of a flat routing's tokens, and that no token names an expert
+    twice (a top-K row, a flat routing's (token, expert) pairs)."""
     if activation not in ACTIVATIONS:
         _fail("activation", f"one of {ACTIVATIONS}", repr(activation))
-    if not isinstance(x_TD, torch.Tensor) or x_TD.dim() != 2:
-        _fail(
-            "x", "a 2-D tensor [T, D]", f"shape {tuple(x_TD.shape)}" if isinstance(x_TD, torch.Tensor) else type(x_TD)
-        )
+    for name, t, shape in (
+        ("x", x_TD, "2-D tensor [T, D]"),
+        ("w1", w1_EGD, "3-D tensor [E, G, D]"),
+        ("w2", w2_EDF, "3-D tensor [E, D, F]"),
+    ):
+        if not isinstance(t, torch.Tensor):  # e.g. a list: would fail later as "'list' object has no attribute"
+            raise ArgumentTypeError(f"moe_experts: {name} must be a {shape} (a torch.Tensor), got {type(t).__name__}")
+    if x_TD.dim() != 2:
+        _fail("x", "a 2-D tensor [T, D]", f"shape {tuple(x_TD.shape)}")
     if x_TD.dtype not in FLOAT_DTYPES:
         _fail("x.dtype", f"one of {FLOAT_DTYPES}", x_TD.dtype)
     T, D = x_TD.shape
@@ -200,6 +200,8 @@ def validate_inputs(
             _fail(
                 "routing expert indices", f"in [0, E = {E}{' (E: padding)' if pad else ')'}", f"values in [{lo}, {hi}]"
             )
+        if token_idx is None:  # top-K: row t is token t's K experts
+            _check_topk_rows_unique(expert_idx)
         if token_idx is not None:
             lo, hi = int(token_idx.min()), int(token_idx.max())
             if lo < 0 or hi >= T + pad:
@@ -211,12 +213,55 @@ def validate_inputs(
             offsets = routing.token_offsets  # token_idx is a FlatRouting's
             if offsets is not None and not torch.equal(offsets.long(), run_offsets(token_idx, T)):
                 _fail("routing.token_offsets", "each token's first pair in token_idx_R (CSR offsets)", "others")
+            _check_flat_pairs_unique(token_idx, expert_idx, T, E, padded=bool(pad))
             meta = routing.metadata
             if meta is not None:
                 built = compute_metadata(dataclasses.replace(routing, metadata=None), E)[1]
                 for name, a, b in zip(RoutingMetadata.TENSOR_NAMES, meta.tensors(), built.tensors(), strict=True):
                     if not torch.equal(a, b):
                         _fail(f"routing.metadata.{name}", "the metadata of the routing's pairs", "other values")
+
+
+def _check_topk_rows_unique(indices_TK: torch.Tensor) -> None:
+    """Every row of ``indices_TK`` names K different experts (a token routes to an expert once); host read."""
+    K = indices_TK.shape[1]
+    if K < 2 or indices_TK.shape[0] == 0:
+        return
+    sorted_TK = indices_TK.sort(dim=1).values
+    same_TK = sorted_TK[:, 1:] == sorted_TK[:, :-1]
+    rows = same_TK.any(dim=1).nonzero()
+    if rows.numel():
+        t = int(rows[0])
+        e = int(sorted_TK[t, 1:][same_TK[t]][0])
+        raise ValueError(
+            f"moe_experts: routing.indices_TK row {t} must name K = {K} different experts (a token routes to an "
+            f"expert once), got {indices_TK[t].tolist()} (expert {e} twice)"
+        )
+
+
+def _check_flat_pairs_unique(
+    token_idx_R: torch.Tensor, expert_idx_R: torch.Tensor, T: int, E: int, padded: bool
+) -> None:
+    """Every (token, expert) pair of a flat routing appears once (padding pairs, token T / expert E, aside);
+    host read. Indices are in range (checked before)."""
+    keys_R = token_idx_R.long() * (E + 1) + expert_idx_R.long()
+    pos_R = torch.arange(keys_R.numel(), device=keys_R.device)
+    if padded:
+        real_R = (token_idx_R < T) & (expert_idx_R < E)
+        keys_R, pos_R = keys_R[real_R], pos_R[real_R]
+    if keys_R.numel() < 2:
+        return
+    keys_R, order_R = keys_R.sort(stable=True)
+    dup = (keys_R[1:] == keys_R[:-1]).nonzero()
+    if dup.numel():
+        j = int(dup[0])
+        t, e = divmod(int(keys_R[j]), E + 1)
+        first, second = int(pos_R[order_R[j]]), int(pos_R[order_R[j + 1]])
+        _fail(
+            f"the pairs of token {t} (routing.token_idx_R, routing.expert_idx_R)",
+            "unique (a token routes to an expert once)",
+            f"expert {e} twice (pairs {first} and {second})",
+        )
 
 
 def _check_metadata_shapes(meta: RoutingMetadata, R: int, T: int, E: int, device: torch.device) -> None:
@@ -322,7 +367,8 @@ def moe_experts(
         w1_EGD: fc1 weights [E, G, D], G = 2F ``[gate ; up]`` for gated activations, else F.
         w2_EDF: fc2 weights [E, D, F].
         activation: one of ``swiglu`` (default), ``geglu``, ``relu2``, ``gelu``.
-        backend: ``auto`` (``cute`` on Hopper, else ``torch``), ``torch`` or ``cute``.
+        backend: ``auto`` (``cute`` on Hopper where it takes these inputs, ``kernels/backends.py``; else ``torch``,
+            with a warning saying why), ``torch`` or ``cute``.
         check_indices: read index values back to validate their range and order (default: on CPU only).
         weight_grad_hook: called in backward with a ``WeightGradWork`` computing ``(dW1, dW2)``; returns what autograd
             gets for the weights (e.g. ``(None, None)`` after accumulating them elsewhere, or after deferring the
@@ -334,7 +380,10 @@ def moe_experts(
     Gradients reach x, the routing scores, w1 and w2.
     """
     validate_inputs(x_TD, routing, w1_EGD, w2_EDF, activation, check_indices)
-    ops = resolve_backend(backend, x_TD.device)
+    config_reason = None
+    if backend == "auto":  # the cute backend's rule for these inputs (kernels/backends.py), checked before any kernel
+        config_reason = cute_config_reason(activation, x_TD.dtype, x_TD.shape[1], w2_EDF.shape[2], w1_EGD.shape[0])
+    ops = resolve_backend(backend, x_TD.device, config_reason)
     scores_R, meta = compute_metadata(routing, w1_EGD.shape[0], ops)
     x_TD = x_TD.contiguous()
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in (x_TD, scores_R, w1_EGD, w2_EDF))):

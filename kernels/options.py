@@ -1,9 +1,12 @@
 """The kernels' tuning options, resolved once: ``kernel_options()``.
 
 The environment variables below are the documented way to set them; they are read the first time
-``kernel_options()`` is called (when the ``cute`` backend is first imported, or earlier by the caller),
-validated, and frozen into one ``KernelOptions``. Launches read that object, never the environment, so changing
-a variable later has no effect; ``set_kernel_options(KernelOptions(...))`` replaces the options explicitly (e.g.
+``kernel_options()`` is called (when a backend is first chosen, ``interface.resolve_backend``, before any kernel
+runs, on every machine whether or not QuACK is installed; or earlier by the caller), validated, and frozen into one
+``KernelOptions``. Parsing needs nothing but this module (no QuACK), so a bad value fails everywhere, naming the
+variable, the allowed and the given value; ``SonicConfig.resolve`` checks them too when a layer is built
+(``KernelOptions.from_env``). Launches read that object, never the environment, so changing a variable later has
+no effect; ``set_kernel_options(KernelOptions(...))`` replaces the options explicitly (e.g.
 a benchmark's ``--tuning``) for the launches after it.
 
     SONIC_MEGATRON_CUTE_TUNING  tile policy of the ``cute`` backend's GEMMs:
@@ -106,7 +109,7 @@ class KernelOptions:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> KernelOptions:
         """The options the environment variables ask for (``environ``: default ``os.environ``)."""
         environ = os.environ if environ is None else environ
-        tuning = environ.get(TUNING_VAR, "heuristic")
+        tuning = environ.get(TUNING_VAR) or "heuristic"  # empty: unset, as for SonicConfig's variables
         if tuning not in TUNINGS:
             raise ValueError(f"{TUNING_VAR} must be one of {TUNINGS}, got {tuning!r}")
         tiles = parse_tiles(environ.get(TILES_VAR, ""))

@@ -33,12 +33,21 @@ import torch
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def _check_tensor(name: str, value: object) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
 @dataclass(frozen=True)
 class TopKRouting:
     """Top-K routing: token t uses experts ``indices_TK[t]`` with weights ``scores_TK[t]``."""
 
     scores_TK: torch.Tensor
     indices_TK: torch.Tensor
+
+    def __post_init__(self) -> None:  # types only: shapes and values are the consumer's checks (no host sync)
+        _check_tensor("TopKRouting.scores_TK", self.scores_TK)
+        _check_tensor("TopKRouting.indices_TK", self.indices_TK)
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,21 @@ class FlatRouting:
     # what ``compute_metadata`` would build (padded: padding rows past expert_offsets[E], gathering token T - 1);
     # None: built by the experts.
     metadata: RoutingMetadata | None = None
+
+    def __post_init__(self) -> None:  # types and T's sign only: shapes and index values are the consumer's checks
+        for name in ("token_idx_R", "expert_idx_R", "scores_R"):
+            _check_tensor(f"FlatRouting.{name}", getattr(self, name))
+        n = self.num_tokens
+        if isinstance(n, bool) or not isinstance(n, int | torch.SymInt):  # bool subclasses int; 6.0 is no count
+            raise TypeError(
+                f"FlatRouting.num_tokens must be an int >= 0 (T, x's row count), got {n!r} ({type(n).__name__})"
+            )
+        if n < 0:
+            raise ValueError(f"FlatRouting.num_tokens must be an int >= 0 (T, x's row count), got {n!r}")
+        if not isinstance(self.padded, bool):
+            raise TypeError(f"FlatRouting.padded must be a bool, got {self.padded!r} ({type(self.padded).__name__})")
+        if self.token_offsets is not None:
+            _check_tensor("FlatRouting.token_offsets", self.token_offsets)
 
 
 Routing = TopKRouting | FlatRouting

@@ -1,5 +1,13 @@
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Our Triton kernels run on the CPU under Triton's interpreter, which must be on before kernels/triton is
+    # imported (a @triton.jit function made without it cannot be interpreted), whichever test module imports it
+    # first while the suite is collected.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

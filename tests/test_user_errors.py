@@ -36,10 +36,10 @@ def _no_sonic_env(monkeypatch):
 @pytest.mark.parametrize(
     "field, value, expected",
     [
-        ("by_source", "no", "a bool (True or False)"),
-        ("redispatch_x_in_backward", 1, "a bool (True or False)"),
+        ("redispatch_x_in_backward", "no", "a bool (True or False)"),
+        ("pair_weight_grads", 1, "a bool (True or False)"),
         ("rounding_tile", True, "an int >= 1"),
-        ("num_chunks", 2.0, "an int >= 1"),
+        ("num_chunks", 2.0, "an int in [1, 16]"),
         ("comm_sms", "8", "an int >= 0"),
     ],
 )
@@ -60,8 +60,16 @@ def test_wrong_field_value_names_field_and_value(field, value):
 
 
 def test_valid_fields_are_kept():
-    cfg = SonicConfig(by_source=True, redispatch_x_in_backward=False, rounding_tile=64, num_chunks=2, comm_sms=8)
-    assert (cfg.by_source, cfg.rounding_tile, cfg.num_chunks, cfg.comm_sms) == (True, 64, 2, 8)
+    cfg = SonicConfig(
+        redispatch_x_in_backward=True, pair_weight_grads=False, rounding_tile=64, num_chunks=2, comm_sms=8
+    )
+    assert (cfg.redispatch_x_in_backward, cfg.pair_weight_grads, cfg.rounding_tile, cfg.num_chunks, cfg.comm_sms) == (
+        True,
+        False,
+        64,
+        2,
+        8,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -71,16 +79,16 @@ def test_valid_fields_are_kept():
 
 @pytest.mark.parametrize("raw, value", [("1", True), ("TRUE", True), ("Yes", True), ("0", False), ("no", False)])
 def test_env_bool_words(raw, value):
-    cfg = SonicConfig.resolve(None, {"SONIC_MEGATRON_BY_SOURCE": raw})
-    assert cfg.by_source is value
+    cfg = SonicConfig.resolve(None, {"SONIC_MEGATRON_REDISPATCH_X_IN_BACKWARD": raw})
+    assert cfg.redispatch_x_in_backward is value
 
 
 @pytest.mark.parametrize("raw", ["on", "maybe", "2", "y"])
 def test_env_bool_rejects_other_words_naming_variable_and_allowed(raw):
     with pytest.raises(ValueError) as info:
-        SonicConfig.resolve(None, {"SONIC_MEGATRON_BY_SOURCE": raw})
+        SonicConfig.resolve(None, {"SONIC_MEGATRON_REDISPATCH_X_IN_BACKWARD": raw})
     msg = str(info.value)
-    assert "SONIC_MEGATRON_BY_SOURCE" in msg and "0/1/false/true/no/yes" in msg and repr(raw) in msg, msg
+    assert "SONIC_MEGATRON_REDISPATCH_X_IN_BACKWARD" in msg and "0/1/false/true/no/yes" in msg and repr(raw) in msg, msg
 
 
 @pytest.mark.parametrize("raw", ["two", "2.0", "1_000", "true", "²"])
@@ -90,7 +98,9 @@ def test_env_int_is_strict(raw):
 
 
 def test_env_value_rejected_by_the_field_names_the_variable():
-    with pytest.raises(ValueError, match=r"num_chunks must be an int >= 1, got 0 .*SONIC_MEGATRON_NUM_CHUNKS='0'"):
+    with pytest.raises(
+        ValueError, match=r"num_chunks must be an int in \[1, 16\], got 0 .*SONIC_MEGATRON_NUM_CHUNKS='0'"
+    ):
         SonicConfig.resolve(None, {"SONIC_MEGATRON_NUM_CHUNKS": "0"})
     with pytest.raises(ValueError, match="SONIC_MEGATRON_TOKEN_ROUNDING='sideways'"):
         SonicConfig.resolve(None, {"SONIC_MEGATRON_TOKEN_ROUNDING": "sideways"})
@@ -114,7 +124,8 @@ def test_unknown_env_variable_names_the_known_ones():
 
 
 def test_kernel_variables_are_known():
-    cfg = SonicConfig.resolve(None, {name: "x" for name in OTHER_ENV_VARS})
+    valid = {"SONIC_MEGATRON_CUTE_TUNING": "autotune", "SONIC_MEGATRON_CUTE_TILES": "dx=P192x128c12"}
+    cfg = SonicConfig.resolve(None, {name: valid.get(name, "x") for name in OTHER_ENV_VARS})
     assert cfg == SonicConfig()
 
 
@@ -183,6 +194,12 @@ def _demo():
         (["--ep", "3"], "--ep must be >= 1 and divide the 2 processes, got 3"),
         (["--rounding-tile", "0"], "--rounding-tile must be >= 1, got 0"),
         (["--spec", "stock", "--token-rounding", "up"], "use them with --spec sonic"),
+        # issue 41: --ep 0 ran with EP = 2, --lr -1 failed in every process's optimizer, --json into a missing
+        # folder failed only after training
+        (["--ep", "0"], "--ep must be >= 1 and divide the 2 processes, got 0"),
+        (["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
+        (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+        (["--json", "/missing/dir/out.json"], "--json '/missing/dir/out.json': its folder /missing/dir does not exist"),
     ],
 )
 def test_demo_rejects_bad_arguments_before_starting_processes(argv, message, monkeypatch, capsys):
@@ -323,3 +340,168 @@ def test_token_rounding_warns_below_two_tiles_per_expert():
     assert few_tiles_message(4096, 8, 2, 256, "nearest", 128) is None
     assert few_tiles_message(4095, 8, 2, 256, "up", 128) is not None
     assert FEW_TILES_PER_EXPERT * 128 == 256
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Bad input probed as a new user would (issue 41): refused where it is given, naming what it takes
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_num_chunks_bound_is_token_dispatchs_for_the_field_and_the_variable():
+    """SonicConfig.num_chunks takes token_dispatch's bound (MAX_CHUNKS, the counts exchange's size) when it is
+    built, not at the first forward; the variable is named; EPOptions states the same rule."""
+    from sonic_megatron.token_dispatch import EPInputError, EPOptions
+    from sonic_megatron.token_dispatch.validation import MAX_CHUNKS
+
+    assert SonicConfig(num_chunks=MAX_CHUNKS).num_chunks == MAX_CHUNKS
+    rule = f"num_chunks must be an int in [1, {MAX_CHUNKS}]"
+    with pytest.raises(ValueError, match=re.escape(f"SonicConfig.{rule}, got 1000000000")):
+        SonicConfig(num_chunks=10**9)
+    with pytest.raises(ValueError) as info:
+        SonicConfig.resolve(None, {"SONIC_MEGATRON_NUM_CHUNKS": "100000"})
+    msg = str(info.value)
+    assert f"{rule}, got 100000" in msg and "SONIC_MEGATRON_NUM_CHUNKS='100000'" in msg, msg
+    with pytest.raises(EPInputError, match=re.escape(f"EPOptions: {rule}, got {MAX_CHUNKS + 1}")):
+        EPOptions(num_chunks=MAX_CHUNKS + 1)
+
+
+def test_token_rounding_and_sonic_config_share_one_rule():
+    """The same modes (RoundingMode; SonicConfig adds 'none' for off, a TokenRounding is never off: rounding=None)
+    and the same tile check (an int >= 1, not a bool: TypeError) for both."""
+    from sonic_megatron.token_dispatch.rounding import ROUNDING_MODES, RoundingMode, TokenRounding
+
+    for mode in RoundingMode:
+        assert TokenRounding(mode.value, 8).mode == SonicConfig(token_rounding=mode.value).token_rounding
+    with pytest.raises(TypeError, match=re.escape("TokenRounding.tile must be an int >= 1, got True (bool)")):
+        TokenRounding("nearest", True)
+    with pytest.raises(TypeError, match=re.escape("SonicConfig.rounding_tile must be an int >= 1, got True (bool)")):
+        SonicConfig(rounding_tile=True)
+    with pytest.raises(TypeError, match=re.escape("TokenRounding.tile must be an int >= 1, got 8.0 (float)")):
+        TokenRounding("up", 8.0)
+    with pytest.raises(ValueError, match=re.escape("TokenRounding.tile must be an int >= 1, got 0")):
+        TokenRounding("up", 0)
+    with pytest.raises(ValueError) as info:
+        TokenRounding("none")
+    msg = str(info.value)
+    assert f"TokenRounding.mode must be one of {ROUNDING_MODES}, got 'none'" in msg and "rounding=None" in msg, msg
+    assert SonicConfig(token_rounding="none").rounding_enabled is False
+    with pytest.raises(ValueError, match=re.escape(f"one of {('none', *ROUNDING_MODES)}, got 'sideways'")):
+        SonicConfig(token_rounding="sideways")
+
+
+@pytest.mark.parametrize(
+    "name, value, message, shown",
+    [
+        (
+            "SONIC_MEGATRON_CUTE_TUNING",
+            "fast",
+            "SONIC_MEGATRON_CUTE_TUNING must be one of ('heuristic', 'autotune', ",
+            "fast",
+        ),
+        (
+            "SONIC_MEGATRON_CUTE_TILES",
+            "dx=Q128x128",
+            "SONIC_MEGATRON_CUTE_TILES: a tile must look like C128x256c21",
+            "Q128x128",
+        ),
+        (
+            "SONIC_MEGATRON_CUTE_TILES",
+            "fc1=C128x128",
+            "SONIC_MEGATRON_CUTE_TILES: GEMM name must be one of ('up', ",
+            "fc1",
+        ),
+    ],
+)
+def test_bad_kernel_variables_fail_on_any_machine(name, value, message, shown, monkeypatch):
+    """Without the Hopper extra (no QuACK, as on CI) a bad cute tuning variable was never read: now the layer's
+    options (SonicConfig.resolve, as the demo and a layer build call it) and the first backend choice of
+    moe_experts, whatever the backend, refuse it naming the variable, the allowed and the given value."""
+    import torch
+    from sonic_megatron.kernels import TopKRouting, moe_experts, options
+
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        SonicConfig.resolve(None, {name: value})
+    assert f"got {shown!r}" in str(info.value), str(info.value)
+    monkeypatch.setattr(options, "_resolved", None)  # as in a new process: not resolved yet
+    monkeypatch.setenv(name, value)
+    x, w1, w2 = torch.randn(3, 8), torch.randn(4, 8, 8), torch.randn(4, 8, 4)
+    routing = TopKRouting(torch.rand(3, 2), torch.tensor([[0, 1], [2, 3], [1, 0]]))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        moe_experts(x, routing, w1, w2, backend="torch")
+
+
+def _duplicate_routings():
+    import torch
+    from sonic_megatron.kernels import FlatRouting, TopKRouting
+
+    topk = TopKRouting(torch.rand(3, 2, dtype=torch.float64), torch.tensor([[1, 1], [0, 2], [3, 0]]))
+    flat = FlatRouting(torch.tensor([0, 1, 1, 2]), torch.tensor([0, 3, 3, 1]), torch.rand(4, dtype=torch.float64), 3)
+    return {
+        "topk": (topk, "must name K = 2 different experts", "twice"),
+        "flat": (flat, "the pairs of token 1 (routing.token_idx_R, routing.expert_idx_R) must be unique", "expert 3"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["topk", "flat"])
+@pytest.mark.parametrize("where", ["moe_experts", "expert_parallel"])
+def test_a_token_naming_an_expert_twice_is_refused_naming_the_row(kind, where):
+    """indices [[1, 1], ...] (or a flat routing's pair (1, 3) twice) were computed as two pairs: refused by
+    moe_experts' index checks and by the expert-parallel header check (no rounding needed), naming the row."""
+    import torch
+    from sonic_megatron.kernels import moe_experts
+    from sonic_megatron.token_dispatch import expert_parallel_experts
+
+    routing, rule, got = _duplicate_routings()[kind]
+    x = torch.randn(3, 8, dtype=torch.float64)
+    w1, w2 = torch.randn(4, 8, 8, dtype=torch.float64), torch.randn(4, 8, 4, dtype=torch.float64)
+    with pytest.raises(ValueError) as info:
+        if where == "moe_experts":
+            moe_experts(x, routing, w1, w2, backend="torch")
+        else:
+            expert_parallel_experts(x, routing, w1, w2, num_experts=4, backend="torch")
+    msg = str(info.value)
+    assert rule in msg and got in msg, msg
+    if kind == "topk" and where == "moe_experts":
+        assert "row 0" in msg and "got [1, 1]" in msg, msg
+
+
+@pytest.mark.parametrize(
+    "num_tokens, error, shown",
+    [(6.0, TypeError, "6.0 (float)"), (True, TypeError, "True (bool)"), (-1, ValueError, "-1")],
+)
+def test_flat_routing_num_tokens_is_an_int_at_least_zero(num_tokens, error, shown):
+    import torch
+    from sonic_megatron.kernels import FlatRouting
+
+    with pytest.raises(
+        error, match=re.escape(f"FlatRouting.num_tokens must be an int >= 0 (T, x's row count), got {shown}")
+    ):
+        FlatRouting(torch.tensor([0]), torch.tensor([0]), torch.rand(1), num_tokens)
+    assert FlatRouting(torch.tensor([0]), torch.tensor([0]), torch.rand(1), 6).num_tokens == 6
+
+
+@pytest.mark.parametrize("argument", ["x", "w1", "w2", "scores_TK", "indices_TK"])
+def test_a_list_for_a_tensor_argument_is_a_type_error_naming_it(argument):
+    """Not ``AttributeError: 'list' object has no attribute 'dim'``."""
+    import torch
+    from sonic_megatron.kernels import TopKRouting, moe_experts
+
+    args = dict(
+        x=torch.randn(3, 8),
+        w1=torch.randn(4, 8, 8),
+        w2=torch.randn(4, 8, 4),
+        scores_TK=torch.rand(3, 2),
+        indices_TK=torch.tensor([[0, 1], [2, 3], [1, 0]]),
+    )
+    args[argument] = args[argument].tolist()
+    expected = {
+        "x": "moe_experts: x must be a 2-D tensor [T, D] (a torch.Tensor), got list",
+        "w1": "moe_experts: w1 must be a 3-D tensor [E, G, D] (a torch.Tensor), got list",
+        "w2": "moe_experts: w2 must be a 3-D tensor [E, D, F] (a torch.Tensor), got list",
+        "scores_TK": "TopKRouting.scores_TK must be a torch.Tensor, got list",
+        "indices_TK": "TopKRouting.indices_TK must be a torch.Tensor, got list",
+    }[argument]
+    with pytest.raises(TypeError, match=re.escape(expected)):
+        moe_experts(
+            args["x"], TopKRouting(args["scores_TK"], args["indices_TK"]), args["w1"], args["w2"], backend="torch"
+        )

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from quack import gemm_interface as qgemm  # after the package's quack_adapter: versions checked, cache set
 
-from ..activations import GATED_ACTIVATIONS
+from ..backends import cute_config_reason
 from ..options import kernel_options
 from ..routing import RoutingMetadata
 from ..sm_reservation import past_reservation, reserve_sms
@@ -46,10 +46,7 @@ compute_metadata_topk = compute_metadata_topk_triton  # top-K: no flat token ind
 
 __all__ = ["backward_data", "backward_weights", "compute_metadata", "compute_metadata_topk", "forward", "reserve_sms"]
 
-DTYPES = (torch.bfloat16, torch.float16)
 ACC_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # weight-gradient accumulators (added in the epilogue)
-ALIGN = 8  # elements: QuACK's TMA/cp.async need 16-byte aligned rows (8 x 16-bit)
-MAX_EXPERTS = 65535  # SonicMoE's metadata limit; one varlen batch per expert
 _QUACK_ACT = {"swiglu": "swiglu", "geglu": "geglu"}
 
 
@@ -58,21 +55,13 @@ def _fail(arg: str, expected: str, got: object) -> None:
 
 
 def check_supported(x_TD: torch.Tensor, w1_EGD: torch.Tensor, w2_EDF: torch.Tensor, activation: str) -> None:
-    """Raise ValueError for inputs the Hopper kernels cannot take (naming argument, expectation, value)."""
-    if activation not in GATED_ACTIVATIONS:
-        _fail("activation", f"a gated activation {GATED_ACTIVATIONS} (QuACK's fused epilogues)", repr(activation))
-    if x_TD.dtype not in DTYPES:
-        _fail("x.dtype", f"one of {DTYPES}", x_TD.dtype)
+    """Raise ValueError for inputs the Hopper kernels cannot take: the backend's rule (``kernels/backends.py``, the
+    one a Megatron layer's backend is chosen by when it is built), then the tensors' device and layout."""
+    reason = cute_config_reason(activation, x_TD.dtype, x_TD.shape[1], w2_EDF.shape[2], w1_EGD.shape[0])
+    if reason is not None:
+        raise ValueError(f"backend 'cute': {reason}")
     if not x_TD.is_cuda:
         _fail("x.device", "a CUDA device", x_TD.device)
-    E, G, D = w1_EGD.shape
-    F = w2_EDF.shape[2]
-    if D % ALIGN:
-        _fail("hidden size D (x.shape[1])", f"a multiple of {ALIGN} (16-byte rows)", D)
-    if F % ALIGN:
-        _fail("expert ffn size F (w2.shape[2])", f"a multiple of {ALIGN} (16-byte rows)", F)
-    if not 1 <= E <= MAX_EXPERTS:
-        _fail("number of experts E (w1.shape[0])", f"in [1, {MAX_EXPERTS}]", E)
     for name, w in (("w1", w1_EGD), ("w2", w2_EDF)):
         if not w.is_contiguous():
             _fail(f"{name}", "contiguous (the kernels read Megatron's layout in place; no per-step copy)", w.stride())
