@@ -132,3 +132,20 @@ def drop_extra_state_keys(module, incompatible_keys) -> None:
     for key in list(incompatible_keys.unexpected_keys):
         if "_extra_state" in key:
             incompatible_keys.unexpected_keys.remove(key)
+
+
+def modules_holding_weight_grads(model) -> list[str]:
+    """Names of the Sonic experts modules of ``model`` that still hold weight-gradient work: a micro-batch's work
+    waiting for its pair (``SonicConfig.pair_weight_grads``) or work recorded for ``backward_dw()``
+    (``delay_wgrad_compute``). Such work belongs to the iteration in flight and is in no state dict, so a
+    checkpoint is only consistent where this is empty: between iterations, after Megatron's
+    ``finalize_model_grads_func`` (``sonic_megatron.wgrad.FinalizeAfterHeldWeightGrads``) and ``backward_dw()``
+    ran. Trainers check it before saving."""
+    names = []
+    for name, module in model.named_modules():
+        sink = getattr(module, "wgrad", None)
+        if sink is None or not hasattr(sink, "num_pending"):
+            continue
+        if getattr(sink, "_held", None) is not None or sink.num_pending:
+            names.append(name)
+    return names
