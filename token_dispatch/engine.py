@@ -31,7 +31,7 @@ from ..kernels.routing import RoutingMetadata
 from . import exchange as X
 from .comm import Pending
 from .options import EPOptions
-from .plan import EPPlan, plan_layer
+from .plan import EPPlan, PlanInputs, plan_layer
 
 
 def record_function(name: str):
@@ -48,31 +48,10 @@ def experts_ops(options: EPOptions, device: torch.device):
 
 
 # --- 1. route -> round -> plan ----------------------------------------------------------------------------------
-def plan_call(
-    routing,
-    options: EPOptions,
-    *,
-    num_experts: int,
-    group,
-    rounding_scores_TE: torch.Tensor | None,
-    x_TD: torch.Tensor,
-    w1_EGD: torch.Tensor,
-    w2_EDF: torch.Tensor,
-    options_error: str | None = None,
-) -> EPPlan:
+def plan_call(inputs: PlanInputs, options: EPOptions, *, options_error: str | None = None) -> EPPlan:
     """The plan of one layer call (``plan.py``: it decides rounding), its inputs checked on every rank."""
     with record_function("ep.plan"):
-        return plan_layer(
-            routing,
-            options,
-            num_experts=num_experts,
-            group=group,
-            rounding_scores_TE=rounding_scores_TE,
-            x_TD=x_TD,
-            w1_EGD=w1_EGD,
-            w2_EDF=w2_EDF,
-            options_error=options_error,
-        )
+        return plan_layer(inputs, options, options_error=options_error)
 
 
 # --- 2. dispatch (and the rows back) ----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import torch
 from ..kernels.routing import FlatRouting, TopKRouting
 from . import engine as G
 from .options import EPOptions, parse_options
+from .plan import PlanInputs
 
 
 class _EPExperts(torch.autograd.Function):
@@ -77,16 +78,15 @@ def expert_parallel_experts(
     ops = G.experts_ops(opts, x_TD.device) if error is None else None  # with an error the plan raises
     if opts.wgrad is not None and not (w1_EGD.is_leaf and w2_EDF.is_leaf):
         raise ValueError("expert_parallel_experts: with wgrad, w1 and w2 must be leaf tensors (parameters)")
-    plan = G.plan_call(
-        routing,
-        opts,
+    inputs = PlanInputs(
+        routing=routing,
         num_experts=num_experts,
         group=group,
         rounding_scores_TE=rounding_scores_TE,
         x_TD=x_TD,
         w1_EGD=w1_EGD,
         w2_EDF=w2_EDF,
-        options_error=error,
     )
+    plan = G.plan_call(inputs, opts, options_error=error)
     out = _EPExperts.apply(x_TD.contiguous(), plan.scores_R, w1_EGD, w2_EDF, plan, ops, opts)
     return (out, plan) if return_plan else out

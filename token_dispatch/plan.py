@@ -205,6 +205,21 @@ class StartedPlan:
     sizes: SizesInFlight
 
 
+@dataclass(frozen=True)
+class PlanInputs:
+    """What one plan is computed from (``make_plan``'s arguments other than the options): ``routing``,
+    ``num_experts``, ``group``, ``rounding_scores_TE`` and the optional ``x_TD``, ``w1_EGD``, ``w2_EDF`` checked
+    across ranks. The internal entry points (``plan_layer``, ``engine.plan_call``) take it whole."""
+
+    routing: TopKRouting | FlatRouting
+    num_experts: int
+    group: object = None
+    rounding_scores_TE: torch.Tensor | None = None
+    x_TD: torch.Tensor | None = None
+    w1_EGD: torch.Tensor | None = None
+    w2_EDF: torch.Tensor | None = None
+
+
 def make_plan(
     routing: TopKRouting | FlatRouting,
     *,
@@ -232,18 +247,17 @@ def make_plan(
             ``num_chunks`` (N contiguous token chunks, each with its own all-to-alls) and ``activation``; all
             must be equal on every rank (checked).
     """
-    started = start_plan(
-        routing,
+    inputs = PlanInputs(
+        routing=routing,
         num_experts=num_experts,
         group=group,
         rounding_scores_TE=rounding_scores_TE,
         x_TD=x_TD,
         w1_EGD=w1_EGD,
         w2_EDF=w2_EDF,
-        options=options,
-        **option_kw,
     )
-    return finish_plan(started)
+    opts, error = parse_options("make_plan", options, option_kw)
+    return plan_layer(inputs, opts, options_error=error)
 
 
 def start_plan(
@@ -262,62 +276,29 @@ def start_plan(
     ``finish_plan`` completes it; GPU work queued in between runs while the host waits there (Megatron's method
     split calls this in ``dispatch_preprocess`` and ``finish_plan`` in ``token_dispatch``). Arguments as
     ``make_plan``."""
-    opts, error = parse_options("make_plan", options, option_kw)
-    return _start_plan(
-        routing,
-        opts,
+    inputs = PlanInputs(
+        routing=routing,
         num_experts=num_experts,
         group=group,
         rounding_scores_TE=rounding_scores_TE,
         x_TD=x_TD,
         w1_EGD=w1_EGD,
         w2_EDF=w2_EDF,
-        options_error=error,
     )
+    opts, error = parse_options("make_plan", options, option_kw)
+    return _start_plan(inputs, opts, options_error=error)
 
 
-def plan_layer(
-    routing: TopKRouting | FlatRouting,
-    options: EPOptions,
-    *,
-    num_experts: int,
-    group,
-    rounding_scores_TE: torch.Tensor | None,
-    x_TD: torch.Tensor | None,
-    w1_EGD: torch.Tensor | None,
-    w2_EDF: torch.Tensor | None,
-    options_error: str | None = None,
-) -> EPPlan:
+def plan_layer(inputs: PlanInputs, options: EPOptions, *, options_error: str | None = None) -> EPPlan:
     """``make_plan`` with validated options; ``options_error`` (a caller's bad option) raises on every rank."""
-    return finish_plan(
-        _start_plan(
-            routing,
-            options,
-            num_experts=num_experts,
-            group=group,
-            rounding_scores_TE=rounding_scores_TE,
-            x_TD=x_TD,
-            w1_EGD=w1_EGD,
-            w2_EDF=w2_EDF,
-            options_error=options_error,
-        )
-    )
+    return finish_plan(_start_plan(inputs, options, options_error=options_error))
 
 
-def _start_plan(
-    routing: TopKRouting | FlatRouting,
-    options: EPOptions,
-    *,
-    num_experts: int,
-    group,
-    rounding_scores_TE: torch.Tensor | None,
-    x_TD: torch.Tensor | None,
-    w1_EGD: torch.Tensor | None,
-    w2_EDF: torch.Tensor | None,
-    options_error: str | None = None,
-) -> StartedPlan:
+def _start_plan(inputs: PlanInputs, options: EPOptions, *, options_error: str | None = None) -> StartedPlan:
     """Steps 1-3 and the launch of step 4's exchange: device work and collectives only, no host wait. Every rank
     launches the same collectives, also with bad input (the error rides in the header)."""
+    routing, num_experts, group = inputs.routing, inputs.num_experts, inputs.group
+    rounding_scores_TE, x_TD, w1_EGD, w2_EDF = inputs.rounding_scores_TE, inputs.x_TD, inputs.w1_EGD, inputs.w2_EDF
     P, rank = group_size(group), group_rank(group)
     T = V.routing_num_tokens(routing)
     rounding = options.rounding
