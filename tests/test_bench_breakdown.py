@@ -34,7 +34,7 @@ def test_arguments():
     breakdown.add_arguments(parser)
     args = parser.parse_args(["--config", "sparse", "--config", "8,16,32,4,2", "--rows", "plugin,grouped"])
     assert args.config == [breakdown.CONFIGS["sparse"], (8, 16, 32, 4, 2)] and args.rows == ["plugin", "grouped"]
-    for bad in (["--rows", "plugin,fast"], ["--config", "huge"], ["--routing", "skewed"]):
+    for bad in (["--rows", "plugin,fast"], ["--rows", "rounding"], ["--config", "huge"], ["--routing", "skewed"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
 

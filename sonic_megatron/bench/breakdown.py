@@ -5,7 +5,6 @@ Rows, all fwd+bwd of the same tokens in the same process (bf16, SwiGLU, top-K so
 and Megatron's aux loss):
     kernels            the router GEMM (fp32) + fused top-K softmax + ``moe_experts``: what the layer wraps
     router             ``SonicRouter`` alone (the layer's route step, aux loss included)
-    rounding           ``round_local`` alone (forward; token rounding decided on the device)
     experts            ``SonicExperts.compute`` alone on the router's top-K
     plugin             ``SonicMoELayer`` (the plugin spec's layer)
     plugin+rounding    the same with ``token_rounding="nearest"``
@@ -18,8 +17,8 @@ below the step ms the device waits for the host), host ms (CPU time to issue the
 reaches its step ms is host-bound), host syncs per call (PyTorch's sync debug mode), peak memory, and paired
 ratios (median over rounds of the two rows' times in the same round): ``x_kernels`` = row / kernels,
 ``x_plugin`` = row / plugin, ``x_grouped`` = grouped / row (the speedup over the baseline). At expert-parallel size
-1 the plugin layer has no plan, dispatch or combine phase (they pass tensors through), so router, rounding and
-experts are its phases. Configs: ``qwen3`` = (T 16384, hidden 2048, ffn 768, 128 experts, top-8), ``sparse`` = (T
+1 the plugin layer has no plan, dispatch or combine phase (they pass tensors through), so router and experts are
+its phases. Configs: ``qwen3`` = (T 16384, hidden 2048, ffn 768, 128 experts, top-8), ``sparse`` = (T
 16384, hidden 2048, ffn 512, 256 experts, top-8), or ``T,d,n,E,K``.
 
 ``--routing balanced`` builds the tokens and router weights so that token t's top-K experts are
@@ -34,7 +33,7 @@ import statistics
 import time
 
 CONFIGS = {"qwen3": (16384, 2048, 768, 128, 8), "sparse": (16384, 2048, 512, 256, 8)}
-ROWS = ("kernels", "router", "rounding", "experts", "plugin", "plugin+rounding", "grouped")
+ROWS = ("kernels", "router", "experts", "plugin", "plugin+rounding", "grouped")
 
 
 def _config(text: str) -> tuple[int, ...]:
@@ -246,7 +245,6 @@ def run_config(cfg, rows, iters: int, seq: int, device, routing: str = "random")
 
     from ..kernels import TopKRouting, moe_experts
     from ..kernels.triton.topk_softmax import topk_softmax
-    from ..token_dispatch import TokenRounding, round_local
 
     T, d, n, E, K = cfg
     MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=device))
@@ -276,16 +274,12 @@ def run_config(cfg, rows, iters: int, seq: int, device, routing: str = "random")
 
     with torch.no_grad():
         logits = torch.nn.functional.linear(x_TD.float(), w_r.float())
-        dense = torch.softmax(logits, -1)
         scores, idx = topk_softmax(logits, K)
         counts = torch.zeros(E, dtype=torch.int64, device=device).index_add_(
             0, idx.reshape(-1), torch.ones(idx.numel(), dtype=torch.int64, device=device)
         )
         untiled = int((counts % 128 != 0).sum())
     print(f"  routing {routing}: {untiled} of {E} experts' token counts are not multiples of 128", flush=True)
-
-    def rounding():
-        round_local(TopKRouting(scores, idx), dense, num_experts=E, rounding=TokenRounding("nearest", 128))
 
     def experts():
         out = plugin.experts.compute(x_TD, TopKRouting(scores, idx))
@@ -294,7 +288,6 @@ def run_config(cfg, rows, iters: int, seq: int, device, routing: str = "random")
     fns = {
         "kernels": without_grads(kernels, x_TD, w_r, w1, w2),
         "router": without_grads(router, plugin.router, x),
-        "rounding": rounding,
         "experts": without_grads(experts, plugin.experts, x_TD),
         "plugin": _layer_step(plugin, x, g),
         "plugin+rounding": _layer_step(rounded, x, g),
@@ -323,7 +316,7 @@ def run(args) -> int:
     import torch
 
     from ..testing import free_port, init_distributed, init_model_parallel
-    from .common import environment, print_table, write_json
+    from .common import print_table, write_json
 
     if not torch.cuda.is_available():
         print("bench breakdown needs a CUDA GPU (it times the Megatron layer against the GPU kernels)")
@@ -345,5 +338,5 @@ def run(args) -> int:
         results += run_config(cfg, args.rows, args.iters, args.seq, device, args.routing)
     columns = ["config", "routing", "row", "ms", "ms_min", "ms_max", "gpu_ms", "host_ms", "host_syncs", "peak_mib"]
     print_table(results, columns + ["x_kernels", "x_plugin", "x_grouped"])
-    write_json(args.json, {"benchmark": "breakdown", "environment": environment(), "results": results})
+    write_json(args.json, {"benchmark": "breakdown", "results": results})
     return 0

@@ -192,9 +192,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="profile each provider's last N iterations (Megatron's --profile --use-pytorch-profiler) and report "
         "GPU busy / idle time, NCCL and all-to-all kernel time and the share of the all-to-all time hidden behind "
-        "compute kernels (also per iteration window), time per kernel family, idle time per launching host op and "
-        "the kernels whose time differs most from the first provider's, per iteration; those iterations, the "
-        "profiler's warm-up one and the last one are not timed (default 0: off)",
+        "compute kernels (also per iteration window), time per kernel family and idle time per launching host op, "
+        "per iteration; those iterations, the profiler's warm-up one and the last one are not timed (default 0: off)",
     )
     parser.add_argument("--dry-run", action="store_true", help="print each provider's command and stop")
     parser.add_argument(
@@ -615,7 +614,6 @@ def run(args: argparse.Namespace) -> int:
                 "speed_max",
             ],
         )
-    kernel_diff = e2e_profile.kernel_diff(rows, providers[0]) if args.profile else None
     if args.profile:
         prof_rows, prof_columns = e2e_profile.table_rows(rows)
         print(f"GPU ms per iteration over each provider's last {args.profile} iterations (torch profiler):")
@@ -627,9 +625,6 @@ def run(args: argparse.Namespace) -> int:
             for gap in (r.get("profile") or {}).get("idle_by_launcher", [])[:8]:
                 where = f"in {gap['gaps']:.0f} gaps before {gap['launcher']}"
                 print(f"  {r['provider']}: idle {gap['ms']:.2f} ms/iter {where}")
-        if kernel_diff:
-            print(f"kernels whose GPU ms per iteration differ most from {providers[0]}'s:")
-            print_table(kernel_diff, ["provider", "ms_delta", "ms", "ms_vs", "calls", "calls_vs", "kernel"])
     write_json(
         args.json,
         {
@@ -654,7 +649,6 @@ def run(args: argparse.Namespace) -> int:
             "baseline": BASELINE,
             "rows": rows,
             "seed_ratios": ratios,
-            "kernel_diff": kernel_diff,
         },
     )
     return 0 if all(r["status"] == "ok" for r in rows) else 1

@@ -3,8 +3,7 @@
 Megatron's own profiler (``--profile --use-pytorch-profiler``) records the last N iterations of the run and writes a
 Chrome trace; ``summarize_trace`` reads it back: per iteration, the GPU's busy time (the union of its kernels,
 copies and memsets) and idle time (the rest of the window from the first GPU event to the last), the time of each
-kernel family (``FAMILIES``), the kernels that took the most (and every kernel's time, for ``kernel_diff``
-between two providers), and where the GPU waited: each idle gap is charged
+kernel family (``FAMILIES``), the kernels that took the most, and where the GPU waited: each idle gap is charged
 to the host op that launched the GPU event ending it (the innermost ``cpu_op`` around its CUDA runtime call), which
 tells a gap behind a host sync or a host-bound stretch from one inside a layer. The communication: the time of NCCL's
 kernels (the union of their intervals), of the all-to-all ones among them (``torch.distributed.all_to_all_single``
@@ -40,8 +39,6 @@ FAMILIES: tuple[tuple[str, Callable[[str], bool]], ...] = (
 COPIES, MEMSETS, OTHER = "copies", "memsets", "other"
 TOP_KERNELS = 15
 TOP_GAPS = 15  # idle charged per launching host op: the ops with the most idle time
-TOP_DIFF = 25  # kernel_diff: the kernels whose time differs most between two providers
-KERNEL_NAME_CHARS = 100  # the per-kernel table's names (CUTLASS template names run past 1,000 characters)
 UNKNOWN_LAUNCH = "(launch not in trace)"
 _MAX_WALK = 5000
 # NCCL's kernels: ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>), ncclDevKernel_AllGather_RING_LL(...),
@@ -305,10 +302,6 @@ def summarize_trace(path: str, iterations: int) -> dict:
         families[family(e["name"], e["cat"])] += e["dur"]
         kernels[e["name"]][0] += e["dur"]
         kernels[e["name"]][1] += 1
-    by_short: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
-    for name, (t, c) in kernels.items():
-        by_short[name[:KERNEL_NAME_CHARS]][0] += t
-        by_short[name[:KERNEL_NAME_CHARS]][1] += c
     per_iter_ms = 1e-3 / iterations  # trace times are in microseconds
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
     gaps = sorted(idle_by.items(), key=lambda kv: -kv[1][0])[:TOP_GAPS]
@@ -321,41 +314,7 @@ def summarize_trace(path: str, iterations: int) -> dict:
         "families_ms": {k: v * per_iter_ms for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": n, "ms": t * per_iter_ms, "calls": c / iterations} for n, (t, c) in top],
         "idle_by_launcher": [{"launcher": n, "ms": t * per_iter_ms, "gaps": c / iterations} for n, (t, c) in gaps],
-        "kernels": {n: {"ms": t * per_iter_ms, "calls": c / iterations} for n, (t, c) in by_short.items()},
     }
-
-
-def kernel_diff(rows: list[dict], reference: str, top: int = TOP_DIFF) -> list[dict]:
-    """Per profiled provider other than ``reference``: the ``top`` kernels (names cut to ``KERNEL_NAME_CHARS``)
-    whose GPU time per iteration differs most from ``reference``'s, with both times and call counts: what a
-    feature (token rounding, say) adds and removes inside the same training iteration. With several seeds the
-    providers' last runs (the same seed) are compared."""
-    profiles = {r["provider"]: r["profile"] for r in rows if r.get("profile")}
-    if reference not in profiles:
-        return []
-    ref = profiles[reference]["kernels"]
-    out = []
-    for name, prof in profiles.items():
-        if name == reference:
-            continue
-        mine = prof["kernels"]
-        none = {"ms": 0.0, "calls": 0.0}
-        deltas = {k: mine.get(k, none)["ms"] - ref.get(k, none)["ms"] for k in set(ref) | set(mine)}
-        for k in sorted(deltas, key=lambda k: (-abs(deltas[k]), k))[:top]:
-            a, b = ref.get(k, none), mine.get(k, none)
-            out.append(
-                {
-                    "provider": name,
-                    "vs": reference,
-                    "ms_delta": deltas[k],
-                    "ms": b["ms"],
-                    "ms_vs": a["ms"],
-                    "calls": b["calls"],
-                    "calls_vs": a["calls"],
-                    "kernel": k,
-                }
-            )
-    return out
 
 
 COMM_COLUMNS = ("nccl_ms", "all_to_all_ms", "all_to_all_hidden_share")

@@ -40,7 +40,7 @@ Router and token rounding are outside the timed region (both providers get the s
 On CPUs (``--device cpu``, gloo) Megatron's dispatcher runs under ``megatron_compat.patch_megatron_for_cpu`` (fake
 CUDA streams etc.); use tiny sizes there -- it checks the plumbing, not speed.
 Modules: ``layer_timing`` (chunk counts, interleaved rounds, the two all-to-all references), ``layer_baseline``
-(Megatron's dispatcher + grouped_mm experts), ``layer_profile`` (--profile, --host-profile, --count-ops).
+(Megatron's dispatcher + grouped_mm experts), ``layer_profile`` (--profile, --count-ops).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ import torch.distributed as dist
 from .common import print_table, write_json
 from .dispatch import DTYPES, add_common_arguments, random_routing, setup_distributed, timed
 from .layer_baseline import build_megatron_dispatcher, megatron_layer
-from .layer_profile import count_ops, host_profile, kernel_profile
+from .layer_profile import count_ops, kernel_profile
 from .layer_timing import a2a_alone, median, no_layer_a2a, paired, parse_chunks, timed_rounds
 
 
@@ -77,12 +77,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile", default=None, help="directory for torch.profiler tables/traces of ours (rank 0); off if unset"
     )
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps per chunk count (default 3)")
-    parser.add_argument(
-        "--host-profile",
-        default=None,
-        help="directory for a cProfile table of ours' Python host work per chunk count (rank 0, --profile-steps "
-        "steps, with comm_sms the largest --comm-sms value); off if unset",
-    )
     parser.add_argument(
         "--count-ops",
         action="store_true",
@@ -156,12 +150,11 @@ def run(args) -> int:
         dist.destroy_process_group()
         return 0
     first = None
-    for out_dir, profiler in ((args.profile, kernel_profile), (args.host_profile, host_profile)):
-        for chunks in chunk_list if out_dir else []:
-            fn = ours(chunks, max(sms_list))
-            for _ in range(args.warmup):
-                fn()
-            profiler(fn, str(chunks), args.profile_steps, out_dir, rank, device)
+    for chunks in chunk_list if args.profile else []:
+        fn = ours(chunks, max(sms_list))
+        for _ in range(args.warmup):
+            fn()
+        kernel_profile(fn, str(chunks), args.profile_steps, args.profile, rank, device)
     t_a2a = {}
     for chunks in chunk_list:
         ref = grads_of(ours(chunks, 0))

@@ -1,6 +1,6 @@
 """``bench layer``'s profiling: a torch.profiler table and trace per chunk count (with the share of all-to-all
-kernel time under compute kernels), a cProfile table of the host work, and ``--count-ops`` (would-be kernel
-launches, collectives and host syncs of ours, ``token_dispatch.launch_count``).
+kernel time under compute kernels) and ``--count-ops`` (would-be kernel launches, collectives and host syncs of
+ours, ``token_dispatch.launch_count``).
 """
 
 from __future__ import annotations
@@ -67,34 +67,6 @@ def a2a_under_kernels(events: list[dict]) -> tuple[float, float]:
     total = sum(b - a for a, b in comm)
     covered = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm for c, d in merged)
     return total / 1e3, (covered / total if total else 0.0)
-
-
-def host_profile(fn, label: str, steps: int, out_dir: str, rank: int, device) -> None:
-    """cProfile over ``steps`` calls; rank 0 writes the functions by cumulative and by own time. cProfile
-    inflates Python-heavy code, so read shares, not absolute times (``host_ms`` is the unprofiled number)."""
-    import cProfile
-    import io
-    import pstats
-
-    sync(device)
-    dist.barrier()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        fn()
-    prof.disable()
-    sync(device)
-    if rank != 0:
-        return
-    buf = io.StringIO()
-    buf.write(f"cProfile of ours, chunks {label}, {steps} steps, rank 0\n")
-    stats = pstats.Stats(prof, stream=buf)
-    stats.sort_stats("cumulative").print_stats(60)
-    stats.sort_stats("tottime").print_stats(40)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"host_profile_{label}.txt"), "w") as f:
-        f.write(buf.getvalue())
-    print(buf.getvalue()[:6000], flush=True)
 
 
 class _RegionOps:
