@@ -295,7 +295,14 @@ def validate_megatron_config(config, sonic: SonicConfig) -> str:
         _reject("moe_apply_probs_on_input", True, "Sonic applies probs to the activation (SonicMoE's A' = s*A)")
     etp = g("expert_tensor_parallel_size") or g("tensor_model_parallel_size", 1)
     if etp != 1:
-        _reject("expert_tensor_parallel_size", etp, "experts must not be tensor-parallel; use expert parallelism")
+        _reject(
+            "expert_tensor_parallel_size",
+            etp,
+            "the plugin's experts are not tensor-parallel; Megatron takes the expert tensor-parallel size from "
+            "--tensor-model-parallel-size when --expert-tensor-parallel-size is not given, so with tensor "
+            "parallelism pass --expert-tensor-parallel-size 1 (expert_tensor_parallel_size=1) and use expert "
+            "parallelism for the experts",
+        )
     if g("moe_expert_capacity_factor") is not None:
         _reject("moe_expert_capacity_factor", g("moe_expert_capacity_factor"), "the plugin is dropless")
     if g("moe_pad_expert_input_to_capacity"):
