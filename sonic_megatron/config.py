@@ -16,7 +16,10 @@ and an int field only an ``int`` that is not a bool (``bool`` subclasses ``int``
 ``TypeError``, wrong values ``ValueError``, each naming the field, what it takes and what it got.
 
 Unsupported Megatron options fail when the layer is built, with a ``ValueError`` naming the option, its value
-and what to use instead (``validate_megatron_config``).
+and what to use instead (``validate_megatron_config``). Megatron's capacity factor and drop-and-pad
+(``moe_expert_capacity_factor``, ``moe_pad_expert_input_to_capacity``, ``moe_token_drop_policy``) are supported:
+TopKRouter drops (and pads) the pairs exactly as in the stock layer, and the layer carries the result as a flat
+routing; they cannot be combined with ``SonicConfig.token_rounding``.
 """
 
 from __future__ import annotations
@@ -65,10 +68,12 @@ class SonicConfig:
             ``rounding_tile`` in training: ``none`` (default; plain top-K, the same function as stock
             Megatron), ``nearest`` (an expert that top-K routed to keeps at least one tile: SonicMoE's nearest
             rounding would empty it), ``up`` or ``down``. Evaluation always uses plain top-K. Needs
-            ``dispatcher='sonic'``. Rounding moves up to ``rounding_tile - 1`` pairs of every expert: ``up`` fills
-            partial tiles and saves no GEMM tile, ``down`` drops the pairs of every partial tile. The measured loss
-            of each mode against top-K's is in docs/PERF.md ("Token rounding"). The layer warns when experts
-            average fewer than 2 tiles of routed pairs per micro-batch.
+            ``dispatcher='sonic'`` and no Megatron capacity factor (``moe_expert_capacity_factor``; both decide
+            the experts' pair counts: refused when the layer is built). Rounding moves up to
+            ``rounding_tile - 1`` pairs of every expert: ``up`` fills partial tiles and saves no GEMM tile,
+            ``down`` drops the pairs of every partial tile. The measured loss of each mode against top-K's is in
+            docs/PERF.md ("Token rounding"). The layer warns when experts average fewer than 2 tiles of routed
+            pairs per micro-batch.
         rounding_tile: the multiple used by token rounding (the GEMM M tile; 128 on Hopper).
         num_chunks: pipeline the dispatch/experts/combine of a layer in this many chunks so that one chunk's
             all-to-all overlaps another's GEMMs (``dispatcher='sonic'``; 1 = no chunking, at most 16:
@@ -276,7 +281,12 @@ def _check_router_topk(topk, num_experts: int) -> None:
 
 def validate_megatron_config(config, sonic: SonicConfig) -> str:
     """Check that Megatron's config is a combination the plugin computes exactly; return the kernels
-    activation name. Every failure names the Megatron option."""
+    activation name. Every failure names the Megatron option.
+
+    Capacity factor / drop-and-pad (``moe_expert_capacity_factor``, ``moe_pad_expert_input_to_capacity``,
+    ``moe_token_drop_policy``) are accepted: the router applies Megatron's own capacity and drop policy, so the
+    same pairs are dropped (and padded with prob 0) as in the stock layer. Refused: pad-to-capacity without a
+    capacity factor, and a capacity factor together with ``SonicConfig.token_rounding``."""
     g = lambda name, default=None: getattr(config, name, default)  # noqa: E731 - 0.16/0.19 field sets differ
     if not g("num_moe_experts"):
         _reject("num_moe_experts", g("num_moe_experts"), "a MoE layer needs --num-experts")
@@ -303,10 +313,23 @@ def validate_megatron_config(config, sonic: SonicConfig) -> str:
             "parallelism pass --expert-tensor-parallel-size 1 (expert_tensor_parallel_size=1) and use expert "
             "parallelism for the experts",
         )
-    if g("moe_expert_capacity_factor") is not None:
-        _reject("moe_expert_capacity_factor", g("moe_expert_capacity_factor"), "the plugin is dropless")
-    if g("moe_pad_expert_input_to_capacity"):
-        _reject("moe_pad_expert_input_to_capacity", True, "the plugin is dropless (no capacity padding)")
+    capacity_factor = g("moe_expert_capacity_factor")
+    if g("moe_pad_expert_input_to_capacity") and capacity_factor is None:
+        _reject(
+            "moe_pad_expert_input_to_capacity",
+            True,
+            "padding to capacity needs a capacity; pass --moe-expert-capacity-factor (moe_expert_capacity_factor)",
+        )
+    policy = g("moe_token_drop_policy", "probs")
+    if capacity_factor is not None and policy not in ("probs", "position"):
+        _reject("moe_token_drop_policy", policy, "Megatron's drop policies are 'probs' and 'position'")
+    if capacity_factor is not None and sonic.rounding_enabled:
+        raise ValueError(
+            f"sonic_megatron: moe_expert_capacity_factor={capacity_factor!r} (--moe-expert-capacity-factor) and "
+            f"SonicConfig.token_rounding={sonic.token_rounding!r} ({env_var('token_rounding')}) both decide how many "
+            "pairs every expert keeps; use one of them (token_rounding='none' with a capacity factor, or no capacity "
+            "factor with token rounding)"
+        )
     if g("moe_router_padding_for_quantization"):
         _reject("moe_router_padding_for_quantization", True, "for fp8/fp4 only; use token_rounding instead")
     for flag in ("fp8", "fp4"):
@@ -325,7 +348,7 @@ def validate_megatron_config(config, sonic: SonicConfig) -> str:
     scope = g("cuda_graph_scope") or g("cuda_graph_modules") or []
     scope = [scope] if isinstance(scope, str) else list(scope)
     if g("cuda_graph_impl", "none") != "none" and any("moe" in str(s) for s in scope):
-        _reject("cuda_graph_scope", scope, "MoE CUDA graphs need a static (drop-and-pad) dispatch")
+        _reject("cuda_graph_scope", scope, "capturing the plugin's MoE layer in a CUDA graph is not supported yet")
     dispatcher_type = g("moe_token_dispatcher_type")
     if sonic.dispatcher == "sonic" and dispatcher_type != "alltoall":
         _reject(

@@ -7,7 +7,8 @@ separate nodes) work unchanged. With ``SonicConfig.dispatcher='sonic'``:
 
 * route: the router (``SonicRouter`` = TopKRouter with every option) gives one ``RouterOutput``: each token's
   top-K experts and scores (a fused top-K + softmax kernel where the options allow, TopKRouter's own path
-  otherwise), and in training with token rounding the dense router probabilities.
+  otherwise), and in training with token rounding the dense router probabilities. With Megatron's capacity
+  factor: TopKRouter's dropped (and padded-to-capacity) pairs as a flat routing instead of top-K.
 * preprocess / dispatch / combine / postprocess: ``SonicTokenDispatcher`` (Megatron's dispatcher protocol; the
   shared-expert overlap hooks), which hands each step to the layer's mode (``modes.py``).
 * routed_experts_compute: the mode's experts step, on the local experts of ``SonicExperts`` (Sonic kernels:
@@ -141,7 +142,7 @@ class SonicMoELayer(MoELayer):
             return super().route(hidden_states, padding_mask)
         routed = self.router(hidden_states, padding_mask)
         if not self._router_gives_topk:
-            routed = RouterOutput.from_megatron(*routed, self.config.moe_router_topk)
+            routed = RouterOutput.from_megatron(*routed, self.config.moe_router_topk, self.config)
         return routed, None
 
     def preprocess(self, hidden_states, routed, routing_map=None):

@@ -85,7 +85,7 @@ class LocalMode(DispatchMode):
     routing: TopKRouting | FlatRouting | None = None  # this forward's, as preprocess decided it
 
     def preprocess(self, x_TH, routed):
-        routing = TopKRouting(routed.scores_TK, routed.indices_TK)
+        routing = _routing(routed)
         rounding = self.rounding(routed)
         if rounding is not None:
             routing = round_local(routing, routed.dense_probs_TE, num_experts=self.num_experts, rounding=rounding)
@@ -134,7 +134,7 @@ class ExpertParallelMode(DispatchMode):
         # that work a schedule queues in between (Megatron's 1F1B EP overlap: another micro-batch's backward)
         # keeps the GPU busy while the host waits.
         self._started = start_plan(
-            TopKRouting(routed.scores_TK, routed.indices_TK),
+            _unpadded(_routing(routed)),
             num_experts=self.num_experts,
             group=self.group,
             rounding_scores_TE=routed.dense_probs_TE,
@@ -176,8 +176,10 @@ class PipelinedMode(DispatchMode):
     routed: RouterOutput | None = None  # between preprocess and compute
 
     def preprocess(self, x_TH, routed):
+        if routed.flat is not None:
+            routed = dataclasses.replace(routed, flat=_unpadded(routed.flat))
         self.routed = routed
-        return x_TH, routed.scores_TK
+        return x_TH, _scores(_routing(routed))
 
     def dispatch(self, x, scores):
         return x, scores
@@ -186,7 +188,7 @@ class PipelinedMode(DispatchMode):
         routed, self.routed = self.routed, None  # the dense probabilities are not kept past this step
         return self.experts.compute_expert_parallel(
             x_recv,
-            TopKRouting(scores_recv, routed.indices_TK),
+            _with_scores(_routing(routed), scores_recv),
             group=self.group,
             num_experts=self.num_experts,
             rounding_scores_TE=routed.dense_probs_TE,
@@ -210,6 +212,21 @@ def choose_mode(experts: SonicExperts, options: LayerOptions, config, group) -> 
 
 
 # -- the local routing -------------------------------------------------------------------------------------
+
+
+def _routing(routed: RouterOutput) -> TopKRouting | FlatRouting:
+    """The router's decision as a kernels routing: flat under Megatron's capacity factor, else top-K."""
+    return routed.flat if routed.flat is not None else TopKRouting(routed.scores_TK, routed.indices_TK)
+
+
+def _unpadded(routing: TopKRouting | FlatRouting) -> TopKRouting | FlatRouting:
+    """The routing without its padding pairs (a capacity-dropped flat routing sized by its upper bound; the
+    expert-parallel plan takes real pairs only). Reading the real pair count is a host sync, as in Megatron's
+    alltoall dispatcher with a capacity factor and without pad-to-capacity."""
+    if not isinstance(routing, FlatRouting) or not routing.padded:
+        return routing
+    n = int((routing.token_idx_R < routing.num_tokens).sum())  # padding pairs are last
+    return FlatRouting(routing.token_idx_R[:n], routing.expert_idx_R[:n], routing.scores_R[:n], routing.num_tokens)
 
 
 def _scores(routing: TopKRouting | FlatRouting) -> torch.Tensor:

@@ -16,6 +16,12 @@ Which output the router gives is fixed when it is built, by the layer's resolved
   map). Anything else (sigmoid / sqrtsoftplus scores, expert bias, group-limited routing, sinkhorn, router replay,
   a padding mask) takes TopKRouter's path and is converted to top-K afterwards, so every option keeps working.
   Ties between equal logits: the fused kernel takes the lower expert, ``torch.topk`` leaves the order unspecified.
+* **Flat format** (the plugin's dispatcher with Megatron's ``moe_expert_capacity_factor``): TopKRouter's own
+  routing, which drops the pairs past every expert's capacity by ``moe_token_drop_policy`` (and with
+  ``moe_pad_expert_input_to_capacity`` fills every expert to its capacity with prob-0 pairs), exactly as in the
+  stock layer; a token then keeps 0..E pairs, so the output is one ``RouterOutput`` whose ``flat`` holds the map's
+  pairs as a ``FlatRouting`` sorted by token (``flat_from_map``; no host sync: its size is the capacity's bound,
+  exact with pad-to-capacity, else followed by padding pairs). Token rounding is refused with a capacity factor.
 
 The logits: with ``moe_router_dtype='fp32'`` and a bf16 input on CUDA, the logits GEMM and its two gradients run
 on the bf16 tensor cores over exact bf16 splits of fp32 operands with chunked accumulation, within the error of
@@ -38,6 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
+from .kernels import FlatRouting
 from .router_gemm import router_logits, unsupported_reason
 
 if TYPE_CHECKING:
@@ -64,26 +71,78 @@ def as_topk(probs: torch.Tensor, routing_map: torch.Tensor, k: int) -> tuple[tor
     return probs.gather(1, idx_TK), idx_TK
 
 
+def capacity_pairs(config, num_tokens: int) -> tuple[int, bool]:
+    """(pair count, exact) of a routing after Megatron's capacity (``apply_router_token_dropping``) for
+    ``num_tokens`` tokens: every expert keeps at most ``capacity = ceil(T * K / E * capacity_factor)`` pairs (all T
+    tokens where the capacity exceeds T). With ``moe_pad_expert_input_to_capacity`` every expert gets exactly
+    ``min(capacity, T)`` pairs (``exact``); without it that is an upper bound, as is T * K."""
+    from megatron.core.transformer.moe.moe_utils import get_capacity
+
+    T, E, K = num_tokens, config.num_moe_experts, config.moe_router_topk
+    capacity = get_capacity(num_tokens=T * K, num_experts=E, capacity_factor=config.moe_expert_capacity_factor)
+    per_expert = min(capacity, T)
+    if config.moe_pad_expert_input_to_capacity:
+        return E * per_expert, True
+    return min(E * per_expert, T * K), False
+
+
+def flat_from_map(probs_TE: torch.Tensor, routing_map_TE: torch.Tensor, num_pairs: int, exact: bool) -> FlatRouting:
+    """Megatron's ``(probs, routing_map)`` [T, E] as a ``FlatRouting`` of ``num_pairs`` pairs, sorted by token then
+    expert, with no host sync: the map's True entries in row-major order. ``exact``: the map has exactly
+    ``num_pairs`` True entries; else at most that many, and the rest are padding pairs (token T, expert E, score 0;
+    ``FlatRouting.padded``). Scores keep autograd to ``probs_TE`` (a pair Megatron padded to capacity has prob 0)."""
+    T, E = routing_map_TE.shape
+    map_N = routing_map_TE.reshape(-1)
+    dump = T * E  # the index of an empty slot (and where unrouted entries are scattered to, then cut off)
+    slot_N = torch.where(map_N, torch.cumsum(map_N, 0) - 1, num_pairs)
+    idx = torch.full((num_pairs + 1,), dump, dtype=torch.int64, device=map_N.device)
+    idx.scatter_(0, slot_N, torch.arange(T * E, dtype=torch.int64, device=map_N.device))
+    idx = idx[:num_pairs]
+    if exact:
+        return FlatRouting(idx // E, idx % E, probs_TE.reshape(-1)[idx], T)
+    valid = idx < dump
+    scores = torch.where(valid, probs_TE.reshape(-1)[idx.clamp(max=max(dump - 1, 0))], 0)
+    return FlatRouting(idx // E, torch.where(valid, idx % E, E), scores.to(probs_TE.dtype), T, padded=True)
+
+
 @dataclass(frozen=True)
 class RouterOutput:
     """The router's decision for one micro-batch, in top-K format: token t uses experts ``indices_TK[t]`` with
     weights ``scores_TK[t]`` (with autograd to the router). ``dense_probs_TE`` [T, E] (with autograd) is given
     exactly when this forward rounds (training with ``SonicConfig.token_rounding``): rounding ranks by it and weighs
-    the pairs it adds with it. None: plain top-K."""
+    the pairs it adds with it. None: plain top-K.
 
-    scores_TK: torch.Tensor
-    indices_TK: torch.Tensor
+    With Megatron's capacity factor (``moe_expert_capacity_factor``) a token may keep 0..E pairs: the decision is
+    then ``flat`` (a ``FlatRouting`` over global expert ids, ``flat_from_map``) and ``scores_TK`` / ``indices_TK``
+    are None."""
+
+    scores_TK: torch.Tensor | None
+    indices_TK: torch.Tensor | None
     dense_probs_TE: torch.Tensor | None = None
+    flat: FlatRouting | None = None
 
     @classmethod
-    def from_megatron(cls, probs: torch.Tensor, routing_map: torch.Tensor, k: int) -> RouterOutput:
-        """From a router in Megatron's format (``probs`` and ``routing_map`` [T, E]), without rounding."""
+    def from_megatron(cls, probs: torch.Tensor, routing_map: torch.Tensor, k: int, config=None) -> RouterOutput:
+        """From a router in Megatron's format (``probs`` and ``routing_map`` [T, E]), without rounding. With a
+        capacity factor in ``config`` (Megatron's token dropping applied by the router) the output is flat."""
         if probs.dim() != 2 or routing_map.dim() != 2:
             raise ValueError(
                 "RouterOutput.from_megatron: probs and routing_map must be 2-D ([T, E] with a bool map, or top-K "
                 f"[T, K] with int64 indices), got {tuple(probs.shape)} {tuple(routing_map.shape)} {routing_map.dtype}"
             )
+        if (
+            config is not None
+            and getattr(config, "moe_expert_capacity_factor", None) is not None
+            and routing_map.dtype == torch.bool
+        ):
+            return cls.from_capacity_map(probs, routing_map, config)
         return cls(*as_topk(probs, routing_map, k))
+
+    @classmethod
+    def from_capacity_map(cls, probs: torch.Tensor, routing_map: torch.Tensor, config) -> RouterOutput:
+        """The flat output of TopKRouter's ``(probs, routing_map)`` after its capacity (``capacity_pairs``)."""
+        num_pairs, exact = capacity_pairs(config, routing_map.shape[0])
+        return cls(None, None, flat=flat_from_map(probs, routing_map, num_pairs, exact))
 
 
 class SonicRouter(TopKRouter):
@@ -101,6 +160,8 @@ class SonicRouter(TopKRouter):
         super().__init__(*args, **kwargs)
         self.gives_topk = options is not None and options.sonic_dispatch
         self.rounds_in_training = self.gives_topk and options.rounding is not None
+        # Megatron's capacity factor: TopKRouter's routing drops (and pads) the pairs; the output is flat
+        self.drops_to_capacity = getattr(self.config, "moe_expert_capacity_factor", None) is not None
         self._fused_reason = self._static_fused_reason()
 
     # -- which path --------------------------------------------------------------------------------------
@@ -154,6 +215,8 @@ class SonicRouter(TopKRouter):
         unpacks (``forward`` above returns the output alone)."""
         if not self.gives_topk:
             return super().routing(logits, *args, **kwargs)
+        if self.drops_to_capacity:  # TopKRouter's capacity and drop policy (never the fused path: see above)
+            return RouterOutput.from_capacity_map(*super().routing(logits, *args, **kwargs), self.config), None
         padding_mask = kwargs.get("padding_mask", args[0] if args else None)
         keep_dense = self.rounds_in_training and self.training
         if self.fused_unsupported_reason(logits, padding_mask) is None:
