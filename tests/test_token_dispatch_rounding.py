@@ -222,13 +222,18 @@ def test_ep_rounding_equals_single_process(ep_rounding, name):
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _rank_probs_and_routing(rank, P, seed):
+    """This rank's share (9 + 7 * rank tokens) of one problem of P ranks: (dense probs, top-K routing)."""
+    p = problem([9 + 7 * r for r in range(P)], seed=seed)
+    T_r = p["T_r"]
+    off, T = sum(T_r[:rank]), T_r[rank]
+    return probs_and_routing(p["logits"][off : off + T])
+
+
 def _sync_count_worker(rank, P):
     from sonic_megatron.token_dispatch.launch_count import LaunchCounter
 
-    p = problem([9 + 7 * r for r in range(P)], seed=3)
-    T_r = p["T_r"]
-    off, T = sum(T_r[:rank]), T_r[rank]
-    probs, routing = probs_and_routing(p["logits"][off : off + T])
+    probs, routing = _rank_probs_and_routing(rank, P, seed=3)
     out = {}
     for name, rounding in (("plain", None), ("rounded", TokenRounding("nearest", 4))):
         kw = dict(num_experts=E, group=dist.group.WORLD, rounding=rounding, rounding_scores_TE=probs, num_chunks=2)
@@ -256,10 +261,7 @@ def _split_plan_worker(rank, P):
     from sonic_megatron.token_dispatch import finish_plan, start_plan
     from sonic_megatron.token_dispatch.launch_count import LaunchCounter
 
-    p = problem([9 + 7 * r for r in range(P)], seed=4)
-    T_r = p["T_r"]
-    off, T = sum(T_r[:rank]), T_r[rank]
-    probs, routing = probs_and_routing(p["logits"][off : off + T])
+    probs, routing = _rank_probs_and_routing(rank, P, seed=4)
     out = {}
     for name, rounding in (("plain", None), ("rounded", TokenRounding("nearest", 4))):
         kw = dict(num_experts=E, group=dist.group.WORLD, rounding=rounding, rounding_scores_TE=probs)

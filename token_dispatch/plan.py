@@ -247,17 +247,18 @@ def make_plan(
             ``num_chunks`` (N contiguous token chunks, each with its own all-to-alls) and ``activation``; all
             must be equal on every rank (checked).
     """
-    inputs = PlanInputs(
-        routing=routing,
+    started = start_plan(
+        routing,
         num_experts=num_experts,
         group=group,
         rounding_scores_TE=rounding_scores_TE,
         x_TD=x_TD,
         w1_EGD=w1_EGD,
         w2_EDF=w2_EDF,
+        options=options,
+        **option_kw,
     )
-    opts, error = parse_options("make_plan", options, option_kw)
-    return plan_layer(inputs, opts, options_error=error)
+    return finish_plan(started)
 
 
 def start_plan(
