@@ -140,6 +140,32 @@ def compare_case(case: Case, device: torch.device, seed: int) -> dict:
     return result
 
 
+def compare_cases(cases: list[Case], ep_sizes: tuple[int, ...], device: torch.device, seed: int) -> dict:
+    """``compare_case`` for every case at every expert-parallel size (Megatron's parallel state set per size) on
+    this rank: ``{"<case>@ep<size>": {"failures": [...], "errors": ...}}``, ready for JSON. A case that raises is
+    reported with its traceback and the others still run."""
+    import traceback
+
+    from .testing import init_model_parallel
+
+    results = {}
+    for ep in ep_sizes:
+        init_model_parallel(ep=ep)
+        for case in cases:
+            key = f"{case.name}@ep{ep}"
+            try:
+                res = compare_case(case, device, seed=seed)
+                results[key] = {"failures": passes(res, case.dtype), "errors": _json_ready(res)}
+            except Exception as exc:  # noqa: BLE001 - reported per case
+                results[key] = {"failures": [f"raised {exc!r}"], "trace": traceback.format_exc()}
+    return results
+
+
+def _json_ready(result: dict) -> dict:
+    """``compare_case``'s result with its per-quantity bound tuples as lists."""
+    return {k: (v if not isinstance(v, dict) else {kk: list(vv) for kk, vv in v.items()}) for k, v in result.items()}
+
+
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
 

@@ -64,21 +64,9 @@ EP_SIZES = (1, 2)
 
 
 def _worker(rank, world, out_dir):
-    from sonic_megatron.compare import compare_case, passes
-    from sonic_megatron.testing import init_model_parallel
+    from sonic_megatron.compare import compare_cases
 
-    results = {}
-    for ep in EP_SIZES:
-        init_model_parallel(ep=ep)
-        for case in CASES:
-            key = f"{case.name}@ep{ep}"
-            try:
-                res = compare_case(case, torch.device("cpu"), seed=20 + rank)
-                results[key] = {"failures": passes(res, case.dtype), "errors": res}
-            except Exception as exc:  # noqa: BLE001 - reported per case
-                import traceback
-
-                results[key] = {"failures": [f"raised {exc!r}"], "trace": traceback.format_exc()}
+    results = compare_cases(CASES, EP_SIZES, torch.device("cpu"), seed=20 + rank)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
 
