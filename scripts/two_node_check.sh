@@ -103,29 +103,22 @@ start_two() {  # phase 2: two nodes of N/2 processes each, started together, ren
   launch 2 1 $((N / 2)) "$port" "$DIR/two_nodes.json" "${TWO[1]}"
   PIDS+=($!)
 }
-t0=$(date +%s)
-if [ "$CONCURRENT" = 1 ]; then
-  PIDS=()
-  start_one
-  start_two
-  wait_all "${PIDS[@]}"
-  rc=$?
-  echo "phases 1 (1 node x $N) and 2 (2 nodes x $((N / 2))), run together: rc $rc in $(($(date +%s) - t0)) s"
-  if [ $rc != 0 ]; then show_fail "1 node x $N / 2 nodes x $((N / 2))" $rc "${ONE[@]}" "${TWO[@]}"; exit 1; fi
-else
-  PIDS=()
-  start_one
-  wait_all "${PIDS[@]}"
-  rc=$?
-  echo "phase 1 (1 node x $N): rc $rc in $(($(date +%s) - t0)) s"
-  if [ $rc != 0 ]; then show_fail "1 node x $N" $rc "${ONE[@]}"; exit 1; fi
+run_phase() {  # label, the start functions to run together, then the phase's logs
+  local label=$1 starts=$2 t0 rc
+  shift 2
   t0=$(date +%s)
   PIDS=()
-  start_two
+  for start in $starts; do $start; done
   wait_all "${PIDS[@]}"
   rc=$?
-  echo "phase 2 (2 nodes x $((N / 2))): rc $rc in $(($(date +%s) - t0)) s"
-  if [ $rc != 0 ]; then show_fail "2 nodes x $((N / 2))" $rc "${TWO[@]}"; exit 1; fi
+  echo "$label: rc $rc in $(($(date +%s) - t0)) s"
+  if [ $rc != 0 ]; then show_fail "$label" $rc "$@"; exit 1; fi
+}
+if [ "$CONCURRENT" = 1 ]; then
+  run_phase "1 node x $N and 2 nodes x $((N / 2)), run together" "start_one start_two" "${ONE[@]}" "${TWO[@]}"
+else
+  run_phase "phase 1, 1 node x $N" start_one "${ONE[@]}"
+  run_phase "phase 2, 2 nodes x $((N / 2))" start_two "${TWO[@]}"
 fi
 
 # Compare (rank 0 of each run wrote its JSON; floats in JSON round-trip exactly).
