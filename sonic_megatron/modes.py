@@ -132,16 +132,20 @@ class ExpertParallelMode(DispatchMode):
         rounded = self.rounding(routed) is not None
         # The plan's device work and its sizes exchange are launched here; its host sync waits in dispatch, so
         # that work a schedule queues in between (Megatron's 1F1B EP overlap: another micro-batch's backward)
-        # keeps the GPU busy while the host waits.
+        # keeps the GPU busy while the host waits. It checks x and the experts' weights (and the backend's rules
+        # for them) on every rank together, so that the later steps find nothing to refuse on one rank alone.
         self._started = start_plan(
             _unpadded(_routing(routed)),
             num_experts=self.num_experts,
             group=self.group,
             rounding_scores_TE=routed.dense_probs_TE,
             x_TD=x_TH,
+            w1_EGD=self.experts.weight1,
+            w2_EDF=self.experts.weight2,
             options=self._rounded_plan_options if rounded else self._plan_options,
         )
-        # The routing actually used (after rounding: padded, real pairs first), with autograd to the router.
+        # The routing actually used (after rounding: padded, real pairs first), with autograd to the router; with
+        # bad input on this rank an empty placeholder: dispatch raises on every rank before reading it.
         scores = self._started.scores_R
         if self.freed_by_1f1b_schedule:  # x aliases the pre-MLP norm output, which the schedule frees
             x_TH, scores = x_TH.clone(), scores.clone()

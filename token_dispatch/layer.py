@@ -72,12 +72,12 @@ def expert_parallel_experts(
             num_chunks (pipeline in N token chunks; each expert's M shrinks N-fold, so pick N by measurement),
             comm_sms (SMs the GEMMs leave free while a collective is in flight; the NCCL kernel needs one SM per
             channel, NCCL_MAX_NCHANNELS; ``bench layer --comm-sms``), redispatch_x_in_backward, wgrad (w1 and w2
-            must then be leaf tensors). A bad option raises ``EPInputError`` on every rank of the group.
+            must then be leaf tensors). A bad option or input raises ``EPInputError`` on every rank of the group.
     """
+    # Nothing raises on this rank alone before the plan: its errors ride in the plan's header (every rank raises).
     opts, error = parse_options("expert_parallel_experts", options, option_kw)
-    ops = G.experts_ops(opts, x_TD.device) if error is None else None  # with an error the plan raises
-    if opts.wgrad is not None and not (w1_EGD.is_leaf and w2_EDF.is_leaf):
-        raise ValueError("expert_parallel_experts: with wgrad, w1 and w2 must be leaf tensors (parameters)")
+    if error is None and opts.wgrad is not None and not all(getattr(w, "is_leaf", True) for w in (w1_EGD, w2_EDF)):
+        error = "expert_parallel_experts: with wgrad, w1 and w2 must be leaf tensors (parameters)"
     inputs = PlanInputs(
         routing=routing,
         num_experts=num_experts,
@@ -88,5 +88,6 @@ def expert_parallel_experts(
         w2_EDF=w2_EDF,
     )
     plan = G.plan_call(inputs, opts, options_error=error)
+    ops = G.experts_ops(opts, x_TD.device)  # the plan resolved it on this device already (its local check)
     out = _EPExperts.apply(x_TD.contiguous(), plan.scores_R, w1_EGD, w2_EDF, plan, ops, opts)
     return (out, plan) if return_plan else out

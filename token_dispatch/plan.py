@@ -7,8 +7,8 @@ that rank travel as int32 (row within the (chunk, source) segment, local expert,
 receiver turns them into routing metadata over its L local experts whose "tokens" are receive-buffer rows.
 
 ``make_plan`` reads top to bottom -- the host sync drains the GPU queue, so as little as possible comes after it:
-  1. route: check this rank's inputs (the error, if any, travels in the header: every rank raises together),
-     flatten the routing;
+  1. route: check this rank's inputs and the experts backend's rules for them, flatten the routing (an error, or
+     any failure of this rank's work before the header, travels in the header: every rank raises together);
   2. rounding, decided here and nowhere else (``round_routing_padded``), on the device before the sync: one
      candidate all-gather (device to device) and a padded routing of a host-known size (real pairs first, then
      padding pairs of token T and expert E); its duplicate-pair flag rides in the header. A rank with bad input
@@ -187,7 +187,9 @@ class EPPlan:
 class StartedPlan:
     """A plan up to its host sync (``start_plan``): steps 1-3 done on the device, the sizes exchange in flight.
     ``finish_plan`` waits for it. ``scores_R`` is the routing's flat scores (with rounding: padded to a host-known
-    size, real pairs first); the finished plan's ``scores_R`` is its first ``num_pairs`` entries."""
+    size, real pairs first); the finished plan's ``scores_R`` is its first ``num_pairs`` entries. With bad input
+    (``error``: this rank's, None where only a peer's is bad) ``scores_R`` is an empty placeholder and
+    ``finish_plan`` raises on every rank."""
 
     group: object
     rank: int
@@ -203,6 +205,7 @@ class StartedPlan:
     rounded: RoundingResult | None
     side: object
     sizes: SizesInFlight
+    error_cause: Exception | None = None  # what raised on this rank: the cause of finish_plan's error here
 
 
 @dataclass(frozen=True)
@@ -297,14 +300,19 @@ def plan_layer(inputs: PlanInputs, options: EPOptions, *, options_error: str | N
 
 def _start_plan(inputs: PlanInputs, options: EPOptions, *, options_error: str | None = None) -> StartedPlan:
     """Steps 1-3 and the launch of step 4's exchange: device work and collectives only, no host wait. Every rank
-    launches the same collectives, also with bad input (the error rides in the header)."""
+    launches the same collectives, also with bad input: whatever fails on this rank before them (a check, the
+    backend's argument rules, the device work on its own pairs) rides in the header, so that every rank raises it
+    together instead of this one raising alone while its peers wait in the collectives below."""
     routing, num_experts, group = inputs.routing, inputs.num_experts, inputs.group
     rounding_scores_TE, x_TD, w1_EGD, w2_EDF = inputs.rounding_scores_TE, inputs.x_TD, inputs.w1_EGD, inputs.w2_EDF
     P, rank = group_size(group), group_rank(group)
     T = V.routing_num_tokens(routing)
     rounding = options.rounding
-    # 1. route: this rank's checks (an error rides in the header, so that every rank raises it), the flat pairs
-    error = options_error
+    device = _plan_device(routing, x_TD)
+    is_topk, is_flat = isinstance(routing, TopKRouting), isinstance(routing, FlatRouting)
+    # 1. route: this rank's checks and its flat pairs
+    error, cause = options_error, None
+    stats = tok_R = exp_R = scores_R = None
     if error is None:
         try:
             V.check_local(
@@ -318,15 +326,14 @@ def _start_plan(inputs: PlanInputs, options: EPOptions, *, options_error: str | 
                 w2_EDF=w2_EDF,
                 activation=options.activation,
             )
-        except (V.EPInputError, TypeError) as exc:
-            error = str(exc)
-    device = (routing.indices_TK if isinstance(routing, TopKRouting) else routing.token_idx_R).device
+            V.check_backend(options.backend, x_TD, w1_EGD, w2_EDF, options.activation)
+            tok_R, exp_R, scores_R = flat_routing(routing)
+            stats = V.index_stats(tok_R, exp_R, T, is_flat)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the header check
+            error, cause = _local_error(exc), exc
+            stats = tok_R = exp_R = scores_R = None
     N = options.num_chunks if error is None else 1
     L = max(num_experts // P, 1) if error is None else 1
-    stats = tok_R = exp_R = scores_R = None
-    if error is None:
-        tok_R, exp_R, scores_R = flat_routing(routing)
-        stats = V.index_stats(tok_R, exp_R, T, isinstance(routing, FlatRouting))
     # 2. rounding: the one place that decides it, on the device (the candidate all-gather rides before step 4)
     rounded = duplicates = None
     if rounding is not None:
@@ -335,28 +342,33 @@ def _start_plan(inputs: PlanInputs, options: EPOptions, *, options_error: str | 
         )
         if error is None:
             tok_R, exp_R, scores_R = rounded.token_idx_R, rounded.expert_idx_R, rounded.scores_R
+    # 3. send side, before the sync (rounded: padding pairs go nowhere)
+    side = None
+    if error is None:
+        try:
+            topk = routing if is_topk and rounding is None else None
+            side = build_send_side(tok_R, exp_R, scores_R, T, L, P, N, topk, padded=rounding is not None)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the header check
+            error, cause = _local_error(exc), exc
+    indices = routing.indices_TK if is_topk else None
     hdr = V.header(
         error=error is not None,
         num_tokens=T,
-        x_TD=x_TD,
+        x_TD=x_TD if isinstance(x_TD, torch.Tensor) else None,
         num_experts=num_experts,
         group_size=P,
         fingerprint=group_fingerprint(group),
         rounding=rounding,
         num_chunks=options.num_chunks,
-        w1_EGD=w1_EGD,
-        w2_EDF=w2_EDF,
+        w1_EGD=w1_EGD if isinstance(w1_EGD, torch.Tensor) else None,
+        w2_EDF=w2_EDF if isinstance(w2_EDF, torch.Tensor) else None,
         activation=options.activation,
-        top_k=routing.indices_TK.shape[-1] if isinstance(routing, TopKRouting) else -1,
+        top_k=-1 if indices is None else (indices.shape[-1] if indices.dim() else 0),
+        scores_dtype=_scores(routing).dtype if is_topk or is_flat else None,
         index_stats=stats,
         duplicate_pairs=duplicates,
         device=device,
     )
-    # 3. send side, before the sync (rounded: padding pairs go nowhere)
-    side = None
-    if error is None:
-        topk = routing if isinstance(routing, TopKRouting) and rounding is None else None
-        side = build_send_side(tok_R, exp_R, scores_R, T, L, P, N, topk, padded=rounding is not None)
     # 4a. sizes: header + counts launched towards the host
     sizes = launch_header_and_counts(hdr, counts_slot(side, P, N, device), group)
     return StartedPlan(
@@ -370,19 +382,50 @@ def _start_plan(inputs: PlanInputs, options: EPOptions, *, options_error: str | 
         error=error,
         token_idx_R=tok_R,
         expert_idx_R=exp_R,
-        scores_R=scores_R,
+        # a bad rank's placeholder: callers pass it on (Megatron's schedule detaches it) until finish_plan raises
+        scores_R=scores_R if error is None else torch.zeros(0, device=device),
         rounded=rounded,
         side=side,
         sizes=sizes,
+        error_cause=cause,
     )
+
+
+def _scores(routing: TopKRouting | FlatRouting) -> torch.Tensor:
+    return routing.scores_TK if isinstance(routing, TopKRouting) else routing.scores_R
+
+
+def _plan_device(routing, x_TD) -> torch.device:
+    """Where the plan's tensors live: the routing's device, else x's, else the current CUDA device (NCCL's), else
+    the CPU (a bad routing must still reach the header exchange)."""
+    if isinstance(routing, TopKRouting):
+        return routing.indices_TK.device
+    if isinstance(routing, FlatRouting):
+        return routing.token_idx_R.device
+    if isinstance(x_TD, torch.Tensor):
+        return x_TD.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _local_error(exc: Exception) -> str:
+    """This rank's failure as the header check reports it: an input check's message as is, anything else (device
+    work on this rank's pairs: out of memory, a kernel that failed to build) with its type."""
+    if isinstance(exc, (V.EPInputError, TypeError)):
+        return str(exc)
+    return f"{type(exc).__name__} while planning: {exc}"
 
 
 def finish_plan(started: StartedPlan) -> EPPlan:
     """Step 4's host sync (the plan's one: the header check raises here on every rank) and step 5."""
     s, P, N = started, started.world_size, started.num_chunks
-    counts_host, counts_PW = receive_header_and_counts(
-        s.sizes, local_error=s.error, group=s.group, num_experts=s.num_experts
-    )
+    try:
+        counts_host, counts_PW = receive_header_and_counts(
+            s.sizes, local_error=s.error, group=s.group, num_experts=s.num_experts
+        )
+    except V.EPInputError as exc:
+        if s.error_cause is None:
+            raise
+        raise exc from s.error_cause  # this rank's own failure: its traceback stays in the chain
     sizes = split_sizes(counts_host, counts_PW, rank=s.rank, num_chunks=N)
     S = sum(map(sum, sizes.send_rows))
     R = sum(map(sum, sizes.send_pairs))  # every real pair is sent (to this rank too); padding pairs are not

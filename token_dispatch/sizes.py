@@ -80,7 +80,25 @@ def receive_header_and_counts(
         sizes.ready.synchronize()
     gathered = sizes.host.tolist()  # the host sync (on CUDA the event above already waited)
     V.check_headers([g[: V.HEADER_LEN] for g in gathered], local_error, group, num_experts)
-    return [g[V.HEADER_LEN :] for g in gathered], sizes.device[:, V.HEADER_LEN :]
+    counts_host = [g[V.HEADER_LEN :] for g in gathered]
+    check_received_pairs(counts_host)
+    return counts_host, sizes.device[:, V.HEADER_LEN :]
+
+
+def check_received_pairs(counts_host: list[list[int]]) -> None:
+    """Every rank's received pair count against ``validation.MAX_PAIRS`` (the receive metadata and the kernels
+    index rows with int32), from everyone's counts: every rank knows every count, so all raise together here
+    instead of one alone in its experts, between all-to-alls. One sum over all counts decides it almost always."""
+    P, base = len(counts_host), pair_base(len(counts_host))
+    if sum(sum(row[base:]) for row in counts_host) < V.MAX_PAIRS:
+        return
+    for r in range(P):
+        got = sum(row[base + c * P + r] for row in counts_host for c in range(V.MAX_CHUNKS))
+        if got >= V.MAX_PAIRS:
+            raise V.EPInputError(
+                f"expert-parallel dispatch: the routed pairs rank {r} receives must be < {V.MAX_PAIRS} (int32 row "
+                f"indices), got {got} (group of {P} ranks)"
+            )
 
 
 def split_sizes(counts_host: list[list[int]], counts_PW: torch.Tensor, *, rank: int, num_chunks: int) -> SplitSizes:

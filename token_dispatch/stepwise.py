@@ -3,6 +3,13 @@ autograd node linked only through tensors, built from the engine's pieces (``eng
 ``send_side.py`` and ``plan.py``; one buffer holds all chunks in receive order, so the step-wise form runs every
 chunk's all-to-all at once (no pipelining: that is ``expert_parallel_experts``' job). Weight gradients of
 ``local_experts`` run right after dX is computed; ``options.wgrad`` defers them to ``DeferredWeightGrad.compute()``.
+
+Errors: every step runs between collectives, so nothing here may raise on one rank alone. The plan checks x, the
+routing, the weights and the experts backend on every rank together when ``make_plan`` is given ``x_TD``,
+``w1_EGD`` and ``w2_EDF`` (``sonic_megatron/modes.py`` gives them); the checks below only compare a step's tensors
+with the plan's sizes, which hold on every rank when each step gets the previous step's output (the x and weights
+the plan checked, the same options). A caller passing other tensors fails on its own rank, with its peers left
+waiting in the next all-to-all.
 """
 
 from __future__ import annotations
@@ -102,7 +109,7 @@ def dispatch(x_TD: torch.Tensor, plan: EPPlan) -> tuple[torch.Tensor, torch.Tens
 
     Returns (x_recv [U, D] rows ordered (chunk, source rank, token), scores_recv [Q] per received pair).
     Gradients return to ``x_TD`` and to ``plan.scores_R`` (hence to the routing scores)."""
-    if x_TD.dim() != 2 or x_TD.shape[0] != plan.num_tokens:
+    if x_TD.dim() != 2 or x_TD.shape[0] != plan.num_tokens:  # holds for the x the plan checked (module docstring)
         raise ValueError(f"dispatch: x must be [T = {plan.num_tokens}, D] (the plan's tokens), got {tuple(x_TD.shape)}")
     return _Dispatch.apply(x_TD, plan.scores_R, plan)
 
@@ -129,6 +136,7 @@ def local_experts(
             with the cute backend's dynamic tile scheduler, ``kernels/cute/ops.py``), and in the weight-gradient
             GEMMs. 0 = every SM (persistent GEMMs then keep NCCL's kernel waiting). Same bits.
     """
+    # dispatch's outputs and the weights the plan checked pass these checks on every rank (module docstring)
     opts = resolve_options("local_experts", options, option_kw)
     if tuple(x_recv.shape[:1]) != (plan.num_recv_rows,) or tuple(scores_recv.shape) != (plan.num_recv_pairs,):
         raise ValueError(
@@ -137,12 +145,12 @@ def local_experts(
         )
     if w1_EGD.shape[0] != plan.num_local_experts:
         raise ValueError(f"local_experts: w1.shape[0] must be {plan.num_local_experts}, got {w1_EGD.shape[0]}")
-    ops = G.experts_ops(opts, x_recv.device)
+    ops = G.experts_ops(opts, x_recv.device)  # resolved, its argument rules checked, by the plan given the weights
     return _LocalExperts.apply(x_recv, scores_recv, w1_EGD, w2_EDF, plan, ops, opts)
 
 
 def combine(y_recv: torch.Tensor, plan: EPPlan) -> torch.Tensor:
     """Send each received row's result back to its source and sum per token in a fixed order: [T, D]."""
-    if y_recv.dim() != 2 or y_recv.shape[0] != plan.num_recv_rows:
+    if y_recv.dim() != 2 or y_recv.shape[0] != plan.num_recv_rows:  # holds for local_experts' output
         raise ValueError(f"combine: y_recv must be [{plan.num_recv_rows}, D], got {tuple(y_recv.shape)}")
     return _Combine.apply(y_recv, plan)

@@ -1,11 +1,14 @@
 """Input checks that give the same clear error on every rank of the EP group, without hangs.
 
-Each rank first checks its own inputs (shapes, dtypes, E % P, weights), catching the error instead of
-raising it, and writes a fixed-size int64 header (below); checks that need the device (index ranges, duplicate
-pairs under rounding) are device values in the header, never read back on their own. The plan's header
-all-gather carries the headers together with the split sizes (no extra round trip, no extra host sync); then
-every rank compares them and, if any rank failed or the ranks disagree, all ranks raise the same
-``ValueError``. A rank raising alone would leave its peers blocked in the next collective.
+Each rank first checks its own inputs (shapes, dtypes, devices, E % P, weights, and the experts backend's own
+argument rules, ``check_backend``), catching the error instead of raising it, and writes a fixed-size int64 header
+(below); checks that need the device (index ranges, duplicate pairs under rounding) are device values in the
+header, never read back on their own. The plan's header all-gather carries the headers together with the split
+sizes (no extra round trip, no extra host sync); then every rank compares them and, if any rank failed or the
+ranks disagree, all ranks raise the same ``ValueError``. A rank raising alone would leave its peers blocked in the
+next collective, so every check of an expert-parallel call that could fail on one rank only runs here, before its
+first collective, and what the later steps check is decided by this header (equal on every rank) or by the split
+sizes every rank knows (``sizes.check_received_pairs``).
 
 Header fields (int64):
     0 error flag      1 T (tokens)     2 D (hidden, -1 unknown)   3 x dtype code (-1 unknown)
@@ -16,6 +19,8 @@ Header fields (int64):
    18 duplicate (token, expert) pairs under token rounding (1: some, 0: none, -1: not rounding)
    19 a routing row naming an expert twice: top-K 1 (some) or 0; flat the first such pair as
       token * 2^32 + expert (-1: none)
+   20 routing scores dtype code (-1 unknown): their bits ride in the pair all-to-all (two int32 columns for
+      float64, one otherwise) and their gradients come back in that dtype, so it must be equal on every rank
 Fields 10-12, 18 and 19 are computed on the device and read back in the same host copy as the split sizes.
 """
 
@@ -24,16 +29,18 @@ from __future__ import annotations
 import torch
 
 from ..kernels.activations import ACTIVATIONS, is_gated
-from ..kernels.interface import FLOAT_DTYPES
+from ..kernels.interface import FLOAT_DTYPES, resolve_backend
 from ..kernels.routing import INDEX_DTYPES, FlatRouting, TopKRouting
 from .comm import all_gather_strings
 
-HEADER_LEN = 20
+HEADER_LEN = 21
 _INDEX_STAT_FIELDS = (10, 11, 12, 19)  # where ``index_stats``' values go
 _KEY_SHIFT = 32  # field 19's key: token << 32 | expert (indices < 2^31: int32 or in-range int64)
 _NO_KEY = torch.iinfo(torch.int64).max
 MAX_CHUNKS = 16  # num_chunks limit: the counts exchange has a fixed size (see plan.py)
+MAX_PAIRS = 2**31 - 1  # routed / received pairs: the metadata and the kernels index rows with int32
 _DTYPE_CODES = {dt: i for i, dt in enumerate(FLOAT_DTYPES)}
+_DTYPE_FIELDS = (3, 20)  # shown by dtype name in errors
 
 # Fields every rank must agree on: (index, name).
 _SAME_ON_ALL_RANKS = (
@@ -49,6 +56,7 @@ _SAME_ON_ALL_RANKS = (
     (14, "w1.shape[1]"),
     (15, "w2.shape[2]"),
     (16, "activation"),
+    (20, "routing scores dtype"),
 )
 
 
@@ -100,12 +108,21 @@ def check_local(
     w2_EDF: torch.Tensor | None,
     activation: str | None,
 ) -> None:
-    """Raise EPInputError naming the argument, the expected and the actual value (this rank only). The options
-    (chunks, the activation's name, ...) were validated by ``EPOptions``."""
+    """Raise EPInputError naming the argument, the expected and the actual value (TypeError for an argument that
+    is no tensor); this rank only. The options (chunks, the activation's name, ...) were validated by
+    ``EPOptions``."""
     if not isinstance(num_experts, int) or num_experts < 1:
         fail("num_experts", "a positive int", num_experts)
     if num_experts % group_size:
         fail("num_experts", f"a multiple of the EP group size P = {group_size}", num_experts)
+    for name, t, what in (
+        ("x", x_TD, "a 2-D tensor [T, D]"),
+        ("w1", w1_EGD, "a 3-D tensor [E/P, G, D]"),
+        ("w2", w2_EDF, "a 3-D tensor [E/P, D, F]"),
+        ("rounding_scores_TE", rounding_scores_TE, "a 2-D tensor [T, E]"),
+    ):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be {what} (a torch.Tensor), got {type(t).__name__}")
     if isinstance(routing, TopKRouting):
         s, idx = routing.scores_TK, routing.indices_TK
         if idx.dtype not in INDEX_DTYPES:
@@ -117,6 +134,8 @@ def check_local(
         if not 1 <= idx.shape[1] <= num_experts:
             fail("top-K (routing.indices_TK.shape[1])", f"in [1, num_experts = {num_experts}]", idx.shape[1])
         device = idx.device
+        if s.device != device:
+            fail("routing.scores_TK.device", f"routing.indices_TK's device ({device})", s.device)
     elif isinstance(routing, FlatRouting):
         R = routing.token_idx_R.numel()
         for name, t in (("routing.token_idx_R", routing.token_idx_R), ("routing.expert_idx_R", routing.expert_idx_R)):
@@ -132,10 +151,15 @@ def check_local(
         if not isinstance(routing.num_tokens, int) or routing.num_tokens < 0:
             fail("routing.num_tokens", "an int >= 0", routing.num_tokens)
         s, device = routing.scores_R, routing.token_idx_R.device
+        for name, t in (("routing.expert_idx_R", routing.expert_idx_R), ("routing.scores_R", s)):
+            if t.device != device:
+                fail(f"{name}.device", f"routing.token_idx_R's device ({device})", t.device)
     else:
         raise EPInputError(f"routing must be TopKRouting or FlatRouting, got {type(routing).__name__}")
-    if not s.is_floating_point():
-        fail("routing scores dtype", "a floating point dtype", s.dtype)
+    if s.dtype not in FLOAT_DTYPES:
+        fail("routing scores dtype", f"one of {FLOAT_DTYPES}", s.dtype)
+    if s.numel() >= MAX_PAIRS:
+        fail("routed pairs (routing scores' size)", f"< {MAX_PAIRS} (int32 row indices)", s.numel())
     T = routing_num_tokens(routing)
     if x_TD is not None:
         if x_TD.dim() != 2:
@@ -162,10 +186,10 @@ def check_local(
             fail("w2.shape[0] (local experts)", f"{E_loc}", w2_EDF.shape[0])
         if x_TD is not None:
             for name, w in (("w1", w1_EGD), ("w2", w2_EDF)):
-                if w.dtype != x_TD.dtype:
-                    fail(f"{name}.dtype", f"x.dtype ({x_TD.dtype})", w.dtype)
+                if w.dtype != x_TD.dtype:  # either may be the wrong one: both named
+                    fail(f"x.dtype and {name}.dtype", "equal", f"{x_TD.dtype} and {w.dtype}")
                 if w.device != x_TD.device:
-                    fail(f"{name}.device", f"x.device ({x_TD.device})", w.device)
+                    fail(f"x.device and {name}.device", "equal", f"{x_TD.device} and {w.device}")
             if w1_EGD.shape[2] != x_TD.shape[1]:
                 fail("w1.shape[2]", f"x.shape[1] = {x_TD.shape[1]}", w1_EGD.shape[2])
             if w2_EDF.shape[1] != x_TD.shape[1]:
@@ -181,9 +205,48 @@ def check_local(
             fail("rounding_scores_TE.shape", f"[T, E] = {(T, num_experts)}", tuple(rounding_scores_TE.shape))
         if not rounding_scores_TE.is_floating_point():
             fail("rounding_scores_TE.dtype", "floating point", rounding_scores_TE.dtype)
+        if rounding_scores_TE.device != device:  # rounding's all-gather comes before the header: no fault there
+            fail("rounding_scores_TE.device", f"the routing's device {device}", rounding_scores_TE.device)
 
 
-def header(
+def check_backend(backend: str, x_TD: torch.Tensor | None, w1_EGD, w2_EDF, activation: str) -> None:
+    """Resolve the experts backend on x's device and run its own argument rules (the ``cute`` backend's dtypes,
+    16-byte rows, contiguous weights: ``check_supported``) on this rank's x and weights, as EPInputError. Run in
+    the plan, before the first collective: where the experts' GEMMs run, these errors would stop this rank alone
+    between all-to-alls its peers wait in (and a node that cannot load the backend fails here too). Without x
+    and the weights there is nothing to check."""
+    if x_TD is None or w1_EGD is None or w2_EDF is None:
+        return
+    try:
+        check = getattr(resolve_backend(backend, x_TD.device), "check_supported", None)
+        if check is not None:
+            check(x_TD, w1_EGD, w2_EDF, activation)
+    except (RuntimeError, ValueError) as exc:
+        raise EPInputError(str(exc)) from exc
+
+
+def header(*, index_stats: list | None, duplicate_pairs: torch.Tensor | None = None, device: torch.device, **fields):
+    """The int64 header of this rank (fields in the module docstring) on ``device``, as pieces whose
+    concatenation is the header (the caller concatenates them with the split sizes in one launch).
+    ``index_stats``: ``index_stats``' list; ``duplicate_pairs``: 0-d device flag of rounding's duplicate check;
+    ``fields``: ``header_host``'s."""
+    error = fields["error"]
+    stats = index_stats if index_stats is not None and not error else [-1] * len(_INDEX_STAT_FIELDS)
+    on_device = dict(zip(_INDEX_STAT_FIELDS, stats, strict=True))
+    on_device[18] = -1 if duplicate_pairs is None or error else duplicate_pairs
+    host = header_host(**fields, device_fields={i: (v if isinstance(v, int) else -1) for i, v in on_device.items()})
+    # Built on the host and copied without a stream sync: pinned memory, so the copy is truly asynchronous (a
+    # pageable or blocking H2D copy may wait for the GPU's queue).
+    h = torch.tensor(host, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    parts, start = [], 0
+    for i, v in sorted(on_device.items()):
+        if isinstance(v, torch.Tensor):  # computed on the device: spliced in by the caller's concatenation
+            parts += [h[start:i], v.reshape(1)]
+            start = i + 1
+    return [*parts, h[start:]]
+
+
+def header_host(
     *,
     error: bool,
     num_tokens: int,
@@ -197,13 +260,11 @@ def header(
     w2_EDF: torch.Tensor | None,
     activation: str | None,
     top_k: int,
-    index_stats: list | None,
-    duplicate_pairs: torch.Tensor | None = None,
-    device: torch.device,
-) -> list[torch.Tensor]:
-    """The int64 header of this rank (fields in the module docstring) on ``device``, as pieces whose
-    concatenation is the header (the caller concatenates them with the split sizes in one launch).
-    ``index_stats``: ``index_stats``' list; ``duplicate_pairs``: 0-d device flag of rounding's duplicate check."""
+    scores_dtype: torch.dtype | None,
+    device_fields: dict[int, int] | None = None,
+) -> list[int]:
+    """The header's fields as host ints: the device-computed ones (10-12, 18, 19) as given in ``device_fields``
+    (keyed by field number; -1 where not given), to be overwritten on the device where the caller computes them."""
     vals = {
         0: int(error),
         1: num_tokens,
@@ -220,24 +281,14 @@ def header(
         15: -1 if w2_EDF is None or w2_EDF.dim() != 3 else w2_EDF.shape[2],
         16: -1 if activation is None else (ACTIVATIONS.index(activation) if activation in ACTIVATIONS else 99),
         17: top_k,
+        20: dtype_code(scores_dtype),
     }
     host = [-1] * HEADER_LEN
     for i, v in vals.items():
         host[i] = v
-    stats = index_stats if index_stats is not None and not error else [-1] * len(_INDEX_STAT_FIELDS)
-    on_device = dict(zip(_INDEX_STAT_FIELDS, stats, strict=True))
-    on_device[18] = -1 if duplicate_pairs is None or error else duplicate_pairs
-    for i, v in on_device.items():
-        host[i] = v if isinstance(v, int) else -1
-    # Built on the host and copied without a stream sync: pinned memory, so the copy is truly asynchronous (a
-    # pageable or blocking H2D copy may wait for the GPU's queue).
-    h = torch.tensor(host, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
-    parts, start = [], 0
-    for i, v in sorted(on_device.items()):
-        if isinstance(v, torch.Tensor):  # computed on the device: spliced in by the caller's concatenation
-            parts += [h[start:i], v.reshape(1)]
-            start = i + 1
-    return [*parts, h[start:]]
+    for i, v in (device_fields or {}).items():
+        host[i] = v
+    return host
 
 
 def check_headers(headers_PH, local_error: str | None, group, num_experts: int) -> None:
@@ -252,7 +303,8 @@ def check_headers(headers_PH, local_error: str | None, group, num_experts: int) 
         vals = [h[idx] for h in headers_PH]
         known = {v for v in vals if v != -1}
         if len(known) > 1:
-            problems.append(f"{name} differs between ranks: {vals} (per rank)")
+            shown = ", ".join(_shown(idx, v) for v in vals)
+            problems.append(f"{name} differs between ranks: [{shown}] (per rank; must be the same on every rank)")
     duplicates = []
     for r, h in enumerate(headers_PH):
         lo, hi = h[10], h[11]
@@ -275,6 +327,13 @@ def check_headers(headers_PH, local_error: str | None, group, num_experts: int) 
         raise EPInputError(
             "expert-parallel dispatch: ranks disagree or bad input: " + "; ".join(problems) + f" (group of {P} ranks)"
         )
+
+
+def _shown(field: int, value: int) -> str:
+    """A header value as an error shows it: dtype fields by the dtype's name."""
+    if field in _DTYPE_FIELDS and 0 <= value < len(FLOAT_DTYPES):
+        return str(FLOAT_DTYPES[value])
+    return str(value)
 
 
 def duplicate_row_message(value: int, top_k: int) -> str:

@@ -68,6 +68,8 @@ def check_supported(x_TD: torch.Tensor, w1_EGD: torch.Tensor, w2_EDF: torch.Tens
 
 
 def _check_rows(meta: RoutingMetadata) -> None:
+    # Under expert parallelism the plan refuses such counts on every rank first (token_dispatch/sizes.py), so this
+    # never stops one rank alone between all-to-alls.
     if meta.num_rows >= 2**31 - 1:
         _fail("routed pairs R (T*K)", "< 2^31 - 1 (int32 row indices)", meta.num_rows)
 
