@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from sonic_megatron.kernels.routing import TopKRouting  # noqa: E402
-from sonic_megatron.token_dispatch import recv_side, send_side  # noqa: E402
+from sonic_megatron.token_dispatch import recv_side, send_side, validation  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -40,6 +40,11 @@ def _indices(T, K, L, P, mode, gen):
             rows.append(d * L + torch.randperm(L, generator=gen)[:K])
         elif mode == "bad":  # out of range both ways: must not crash nor write out of bounds
             rows.append(torch.randint(-3 * L, E + 3 * L, (K,), generator=gen))
+        elif mode == "duplicate":  # in range, some tokens name an expert twice (the header's check)
+            row = torch.randperm(E, generator=gen)[:K]
+            if K > 1 and torch.rand(1, generator=gen).item() < 0.2:
+                row[K - 1] = row[0]
+            rows.append(row)
         else:
             raise AssertionError(mode)
     return torch.stack(rows) if T else torch.zeros(0, K, dtype=torch.int64)
@@ -61,7 +66,12 @@ def _run(T, K, L, P, N, *, mode="random", idx_dtype=torch.int64, score_dtype=tor
         torch.use_deterministic_algorithms(det)
         torch.utils.deterministic.fill_uninitialized_memory = fill
     side = send_side.SendSide(*got)  # the integrator's construction
-    for name in type(got)._fields:
+    # the header's index stats: validation.index_stats of the flat top-K routing
+    stats = validation.index_stats(tok_R, exp_R, T, False)
+    want_stats = [int(v) for v in stats[:2]] + [int(stats[3])]
+    got_stats = side.index_stats.minmax.tolist() + side.index_stats.duplicate.tolist()
+    assert got_stats == want_stats, (got_stats, want_stats)
+    for name in type(got)._fields[:-1]:
         a, b = getattr(side, name), getattr(want, name)
         assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
         assert torch.equal(a, b), f"{name}: {a.flatten().tolist()[:24]} vs {b.flatten().tolist()[:24]}"
@@ -127,7 +137,7 @@ def test_strided_inputs_and_grad():
     assert not idx.is_contiguous() and not scores.is_contiguous()
     got = ep_send_side(idx, scores, T, L, P, N, block_tokens=8)
     want = send_side.send_side_torch(*send_side.flat_routing(TopKRouting(scores, idx)), T, L, P, N)
-    for a, b in zip(got, (getattr(want, f) for f in type(got)._fields), strict=True):
+    for a, b in zip(got[:-1], (getattr(want, f) for f in type(got)._fields[:-1]), strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert scores.grad is None
 
@@ -136,6 +146,37 @@ def test_strided_inputs_and_grad():
 def test_bad_expert_indices_do_not_crash(N):
     """Indices < 0 or >= E: destinations clamp as in the reference, so the results still agree."""
     _run(26, 3, 2, 4, N, mode="bad", bt=8)
+
+
+@pytest.mark.parametrize("case", [(40, 3, 4, 2, 1, 4), (40, 2, 3, 4, 3, 8), (9, 5, 2, 4, 2, None)])
+def test_duplicate_experts_in_a_row_are_flagged(case):
+    """A token naming an expert twice sets the index stats' duplicate flag (tiles of several sizes)."""
+    T, K, L, P, N, bt = case
+    for seed in range(4):
+        _run(T, K, L, P, N, mode="duplicate", bt=bt, seed=seed)
+
+
+def test_outputs_written_in_place():
+    """``out`` slices (the plan's exchange buffer) receive the counts and index stats; nothing else of the buffer
+    is touched."""
+    from sonic_megatron.token_dispatch.triton_send import SendOutputs
+
+    ep_send_side = _ep_send()
+    T, K, L, P, N = 21, 2, 3, 2, 2
+    gen = torch.Generator().manual_seed(3)
+    idx = _indices(T, K, L, P, "random", gen).to(DEVICE)
+    scores = torch.rand(T, K, generator=gen).to(DEVICE)
+    buf = torch.full((40,), -7, dtype=torch.int64, device=DEVICE)
+    out = SendOutputs(buf[2 : 2 + N * P], buf[10 : 10 + N * P], buf[20:22], buf[30:31])
+    got = ep_send_side(idx, scores, T, L, P, N, block_tokens=8, out=out)
+    ref = ep_send_side(idx, scores, T, L, P, N, block_tokens=8)
+    assert torch.equal(buf[2 : 2 + N * P], ref.rows_NP) and torch.equal(buf[10 : 10 + N * P], ref.pairs_NP)
+    assert buf[20:22].tolist() == ref.index_stats.minmax.tolist() and buf[30].item() == 0
+    assert got.rows_NP.data_ptr() == buf[2:].data_ptr()
+    untouched = torch.ones(40, dtype=torch.bool)
+    for a, b in ((2, 2 + N * P), (10, 10 + N * P), (20, 22), (30, 31)):
+        untouched[a:b] = False
+    assert (buf.cpu()[untouched] == -7).all()
 
 
 def test_scan_loops_over_blocks(monkeypatch):

@@ -41,11 +41,13 @@ from .comm import group_fingerprint, group_rank, group_size
 from .options import EPOptions, parse_options
 from .recv_side import IncomingPairs, launch_pair_all_to_alls, recv_metadata, scores_from_columns
 from .rounding import RoundingResult, TokenRounding, round_routing_padded
-from .send_side import build_send_side, flat_routing
+from .send_side import SendSide, build_send_side, flat_routing, triton_send_side
 from .sizes import (
     SizesInFlight,
     counts_slot,
-    launch_header_and_counts,
+    exchange_buffer,
+    exchange_outputs,
+    launch_exchange,
     pair_base,
     receive_header_and_counts,
     split_sizes,
@@ -312,7 +314,7 @@ def _start_plan(inputs: PlanInputs, options: EPOptions, *, options_error: str | 
     is_topk, is_flat = isinstance(routing, TopKRouting), isinstance(routing, FlatRouting)
     # 1. route: this rank's checks and its flat pairs
     error, cause = options_error, None
-    stats = tok_R = exp_R = scores_R = None
+    stats = tok_R = exp_R = scores_R = kernels = None
     if error is None:
         try:
             V.check_local(
@@ -328,10 +330,12 @@ def _start_plan(inputs: PlanInputs, options: EPOptions, *, options_error: str | 
             )
             V.check_backend(options.backend, x_TD, w1_EGD, w2_EDF, options.activation)
             tok_R, exp_R, scores_R = flat_routing(routing)
-            stats = V.index_stats(tok_R, exp_R, T, is_flat)
+            # top-K on CUDA without rounding: the send-side kernels also compute the index stats (fused below)
+            kernels = None if rounding is not None or not is_topk else triton_send_side(routing, P)
+            stats = None if kernels is not None else V.index_stats(tok_R, exp_R, T, is_flat)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by the header check
             error, cause = _local_error(exc), exc
-            stats = tok_R = exp_R = scores_R = None
+            stats = tok_R = exp_R = scores_R = kernels = None
     N = options.num_chunks if error is None else 1
     L = max(num_experts // P, 1) if error is None else 1
     # 2. rounding: the one place that decides it, on the device (the candidate all-gather rides before step 4)
@@ -342,17 +346,9 @@ def _start_plan(inputs: PlanInputs, options: EPOptions, *, options_error: str | 
         )
         if error is None:
             tok_R, exp_R, scores_R = rounded.token_idx_R, rounded.expert_idx_R, rounded.scores_R
-    # 3. send side, before the sync (rounded: padding pairs go nowhere)
-    side = None
-    if error is None:
-        try:
-            topk = routing if is_topk and rounding is None else None
-            side = build_send_side(tok_R, exp_R, scores_R, T, L, P, N, topk, padded=rounding is not None)
-        except Exception as exc:  # noqa: BLE001 - raised on every rank by the header check
-            error, cause = _local_error(exc), exc
     indices = routing.indices_TK if is_topk else None
-    hdr = V.header(
-        error=error is not None,
+    fields = dict(
+        error=False,
         num_tokens=T,
         x_TD=x_TD if isinstance(x_TD, torch.Tensor) else None,
         num_experts=num_experts,
@@ -365,12 +361,26 @@ def _start_plan(inputs: PlanInputs, options: EPOptions, *, options_error: str | 
         activation=options.activation,
         top_k=-1 if indices is None else (indices.shape[-1] if indices.dim() else 0),
         scores_dtype=_scores(routing).dtype if is_topk or is_flat else None,
-        index_stats=stats,
-        duplicate_pairs=duplicates,
-        device=device,
     )
+    # 3. send side, before the sync (rounded: padding pairs go nowhere). With the kernels, its counts and index
+    # stats land straight in the sizes exchange's buffer, whose other fields come from a cached copy.
+    side = exchange = None
+    if error is None:
+        try:
+            if kernels is not None:
+                exchange = exchange_buffer(V.header_host(**fields, device_fields=_KERNEL_STAT_FIELDS), P, device)
+                side = SendSide(*kernels(indices, routing.scores_TK, T, L, P, N, out=exchange_outputs(exchange, P, N)))
+            else:
+                topk = routing if is_topk and rounding is None else None
+                side = build_send_side(tok_R, exp_R, scores_R, T, L, P, N, topk, padded=rounding is not None)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the header check
+            error, cause, side, exchange = _local_error(exc), exc, None, None
     # 4a. sizes: header + counts launched towards the host
-    sizes = launch_header_and_counts(hdr, counts_slot(side, P, N, device), group)
+    if exchange is None:
+        fields["error"] = error is not None
+        hdr = V.header(**fields, index_stats=stats, duplicate_pairs=duplicates, device=device)
+        exchange = torch.cat([*hdr, *counts_slot(side, P, N, device)])
+    sizes = launch_exchange(exchange, group)
     return StartedPlan(
         group=group,
         rank=rank,
@@ -389,6 +399,11 @@ def _start_plan(inputs: PlanInputs, options: EPOptions, *, options_error: str | 
         sizes=sizes,
         error_cause=cause,
     )
+
+
+# Header fields the send-side kernels write (min / max expert, the duplicate flag); top-K routing's tokens are 0..T-1
+# by construction (field 12: no problem) and there is no rounding (field 18).
+_KERNEL_STAT_FIELDS = {10: -1, 11: -1, 12: 0, 18: -1, 19: -1}
 
 
 def _scores(routing: TopKRouting | FlatRouting) -> torch.Tensor:

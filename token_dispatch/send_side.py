@@ -20,6 +20,7 @@ pairs and no row or pair count includes them -- the send side of the real pairs 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,13 +30,20 @@ from ..kernels.routing import TopKRouting, flatten_routing, run_offsets
 
 def flat_routing(routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token_idx_R int64, expert_idx_R int64, scores_R) of a ``TopKRouting`` / ``FlatRouting``; top-K
-    routing flattens in 2 launches (no CSR offsets)."""
+    routing flattens without a launch for int64 indices (views and a cached token index)."""
     if isinstance(routing, TopKRouting) and routing.indices_TK.dim() == 2:
         T, K = routing.indices_TK.shape
-        tok = torch.arange(T, device=routing.indices_TK.device).unsqueeze(1).expand(T, K).reshape(-1)
+        tok = _topk_tokens(T, K, routing.indices_TK.device)
         return tok, routing.indices_TK.reshape(-1).long(), routing.scores_TK.reshape(-1)
     tok, exp, scores, _ = flatten_routing(routing)
     return tok.long(), exp.long(), scores
+
+
+@functools.lru_cache(maxsize=16)
+def _topk_tokens(T: int, K: int, device: torch.device) -> torch.Tensor:
+    """Token of every pair t * K + k of a [T, K] top-K routing: the same for every call of one shape, so built
+    once (read only: nothing writes a plan's token index)."""
+    return torch.arange(T, device=device).unsqueeze(1).expand(T, K).reshape(-1)
 
 
 def score_columns(scores_R: torch.Tensor) -> torch.Tensor:
@@ -58,6 +66,7 @@ class SendSide:
     pair_meta_RC: torch.Tensor  # int32 [R, C]: row in segment, local expert, score bits
     rows_NP: torch.Tensor  # int64 [N*P]: send rows per segment
     pairs_NP: torch.Tensor  # int64 [N*P]: pairs per segment
+    index_stats: object = None  # triton_send.IndexStats where the kernels computed them, else None
 
 
 def _send_layout(tok_R, exp_R, T, L, P, N, padded=False):
@@ -111,18 +120,25 @@ def send_side_torch(tok_R, exp_R, scores_R, T, L, P, N, padded=False) -> SendSid
     return SendSide(order, send_token_idx_R, combine_order_R, combine_offsets, pair_meta_RC, rows_NP, pairs_NP)
 
 
+def triton_send_side(topk: TopKRouting, world_size: int):
+    """``triton_send.ep_send_side`` where it runs this top-K routing (CUDA, [T, K] indices, P <= its MAX_RANKS, Triton
+    importable), else None."""
+    if not topk.indices_TK.is_cuda or topk.indices_TK.dim() != 2:
+        return None
+    try:
+        from .triton_send import MAX_RANKS, ep_send_side
+    except ImportError:  # no Triton: PyTorch's ops (same contract)
+        return None
+    return ep_send_side if world_size <= MAX_RANKS else None  # the kernels keep one tile of flags per token
+
+
 def build_send_side(
     tok_R, exp_R, scores_R, T, L, P, N, topk: TopKRouting | None = None, padded: bool = False
 ) -> SendSide:
     """The send side of the flat pairs (tok_R, exp_R, scores_R): from the Triton kernels on CUDA when
     ``topk`` (the same pairs as top-K routing) is given, else from ``send_side_torch`` (same results).
     ``padded``: the pairs end in padding pairs (token T, expert E), which no segment includes."""
-    if topk is not None and tok_R.is_cuda and topk.indices_TK.dim() == 2:
-        try:
-            from .triton_send import MAX_RANKS, ep_send_side
-        except ImportError:  # no Triton: PyTorch's ops (same contract)
-            pass
-        else:
-            if P <= MAX_RANKS:  # the kernels keep one tile of destination flags per token
-                return SendSide(*ep_send_side(topk.indices_TK, topk.scores_TK, T, L, P, N))
+    kernels = None if topk is None else triton_send_side(topk, P)
+    if kernels is not None:
+        return SendSide(*kernels(topk.indices_TK, topk.scores_TK, T, L, P, N))
     return send_side_torch(tok_R, exp_R, scores_R, T, L, P, N, padded)

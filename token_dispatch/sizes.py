@@ -2,7 +2,7 @@
 host sync. It carries this rank's validation header (``validation.py``) and its per (chunk, destination) send
 row and pair counts; every rank reads everyone's, so it knows its send AND receive split sizes (host ints, as
 ``all_to_all_single`` needs) and every rank raises the same error for bad input anywhere in the group.
-Launching the exchange (``launch_header_and_counts``) and waiting for it (``receive_header_and_counts``) are two
+Launching the exchange (``launch_exchange``) and waiting for it (``receive_header_and_counts``) are two
 calls, so that a caller can queue GPU work between them: the host then waits while that work runs.
 
 Shape legend (as ``send_side.py``): H = ``validation.HEADER_LEN`` header fields; the counts are sized for
@@ -13,6 +13,7 @@ c * P + destination, pair counts at ``PAIR_BASE(P)`` + c * P + destination.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,7 @@ def counts_slot(side: SendSide | None, world_size: int, num_chunks: int, device)
 
 @dataclass(frozen=True)
 class SizesInFlight:
-    """The header + counts all-gather on its way to the host (``launch_header_and_counts``): ``device`` [P, H + W]
+    """The header + counts all-gather on its way to the host (``launch_exchange``): ``device`` [P, H + W]
     on the device; on CUDA ``host`` is pinned memory its non-blocking copy fills and ``ready`` the event recorded
     after that copy, so the host waits for this exchange alone, not for the work queued after it."""
 
@@ -59,9 +60,9 @@ class SizesInFlight:
     ready: torch.cuda.Event | None
 
 
-def launch_header_and_counts(header: list[torch.Tensor], counts: list[torch.Tensor], group) -> SizesInFlight:
-    """Launch the all-gather of every rank's header + counts and its copy to the host; no host wait."""
-    gathered = all_gather(torch.cat([*header, *counts]), group)
+def launch_exchange(exchange: torch.Tensor, group) -> SizesInFlight:
+    """Launch the all-gather of every rank's header + counts [H + W] and its copy to the host; no host wait."""
+    gathered = all_gather(exchange, group)
     if not gathered.is_cuda:
         return SizesInFlight(gathered, gathered, None)
     host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
@@ -69,6 +70,28 @@ def launch_header_and_counts(header: list[torch.Tensor], counts: list[torch.Tens
     ready = torch.cuda.Event()
     ready.record()
     return SizesInFlight(gathered, host, ready)
+
+
+def exchange_buffer(header: list[int], world_size: int, device: torch.device) -> torch.Tensor:
+    """A new exchange vector [H + W] holding ``header`` (host ints) and zero counts, for kernels that write the
+    counts and the device-computed header fields in place (``exchange_outputs``): one device copy of a cached
+    vector instead of building the header and concatenating it with the counts on every call."""
+    return _exchange_template(tuple(header), world_size, device).clone()
+
+
+@functools.lru_cache(maxsize=64)
+def _exchange_template(header: tuple[int, ...], world_size: int, device: torch.device) -> torch.Tensor:
+    host = torch.tensor([*header, *([0] * (2 * V.MAX_CHUNKS * world_size))], dtype=torch.int64)
+    return host.to(device)  # once per header: read only, never written
+
+
+def exchange_outputs(exchange: torch.Tensor, world_size: int, num_chunks: int):
+    """The slices of an exchange vector the send-side kernels write (``triton_send.SendOutputs``): row and pair
+    counts per (chunk, destination) and the header's min / max expert and duplicate fields."""
+    from .triton_send import SendOutputs
+
+    H, NP, base = V.HEADER_LEN, num_chunks * world_size, pair_base(world_size)
+    return SendOutputs(exchange[H : H + NP], exchange[H + base : H + base + NP], exchange[10:12], exchange[19:20])
 
 
 def receive_header_and_counts(

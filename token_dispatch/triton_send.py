@@ -23,7 +23,9 @@ tokens all share a chunk, so its counts per segment are plain column sums of per
    order, send_token_idx, combine_order, combine_offsets[:T], pair metadata; and each program fills its
    slice of the tails send_token_idx[S:R] = T, combine_order[S:R] = S..R-1 (S read on the device).
 
-Every output element has exactly one writer, integers only: deterministic, no atomics, no host sync.
+Every output element has exactly one writer, integers only: deterministic, no atomics, no host sync. The count
+and scan kernels also reduce the routing's index stats (smallest and largest expert, a token naming an expert
+twice) for the plan's header check, so that check costs no launch of its own.
 """
 
 from __future__ import annotations
@@ -51,6 +53,27 @@ class EPSendSide(NamedTuple):
     pair_meta_RC: torch.Tensor  # int32 [R, 2 + C]: row in segment, local expert, score bits (send order)
     rows_NP: torch.Tensor  # int64 [N*P]: send rows per segment
     pairs_NP: torch.Tensor  # int64 [N*P]: pairs per segment
+    index_stats: IndexStats  # the expert-index check of the plan's header
+
+
+class IndexStats(NamedTuple):
+    """The header's expert-index fields of a top-K routing as int64 device tensors (``validation.index_stats``):
+    ``minmax`` [2] the smallest and largest expert index, ``duplicate`` [1] 1 where a token names an expert twice
+    (-1 for K = 1, no pairs to compare), else 0."""
+
+    minmax: torch.Tensor
+    duplicate: torch.Tensor
+
+
+class SendOutputs(NamedTuple):
+    """Where ``ep_send_side`` writes the per-segment counts and the index stats, e.g. slices of the plan's
+    sizes-exchange buffer (so that no concatenation follows): int64 views ``rows_NP`` [N*P], ``pairs_NP`` [N*P],
+    ``minmax`` [2], ``duplicate`` [1]."""
+
+    rows_NP: torch.Tensor
+    pairs_NP: torch.Tensor
+    minmax: torch.Tensor
+    duplicate: torch.Tensor
 
 
 @triton.jit
@@ -85,6 +108,24 @@ def _pairs_per_destination(
     return npair
 
 
+@triton.jit
+def _index_stats(idx_ptr, t, valid, stride_t, stride_k, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr):
+    """(min expert, max expert, 1 where a token names an expert twice else 0) over the tile's valid pairs, int64
+    scalars; garbage for a tile without valid tokens (the scan skips those). The expert-index check of the
+    plan's header, computed while the indices are read anyway."""
+    kk = tl.arange(0, KP)
+    m2 = valid[:, None] & (kk[None, :] < K)
+    e2 = tl.load(idx_ptr + t[:, None] * stride_t + kk[None, :] * stride_k, mask=m2, other=0).to(tl.int64)
+    first = tl.sum(tl.sum(tl.where((tl.arange(0, BT)[:, None] == 0) & (kk[None, :] == 0), e2, 0), 1), 0)
+    lo = tl.min(tl.min(tl.where(m2, e2, first), axis=1), axis=0)
+    hi = tl.max(tl.max(tl.where(m2, e2, first), axis=1), axis=0)
+    dup = tl.zeros_like(e2).to(tl.int32)
+    for k in tl.static_range(K - 1):
+        col = tl.sum(tl.where(kk[None, :] == k, e2, 0), axis=1)  # [BT]: pair k of every token
+        dup += ((e2 == col[:, None]) & m2 & (kk[None, :] > k)).to(tl.int32)
+    return lo, hi, (tl.max(tl.max(dup, axis=1), axis=0) > 0).to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["T", "J"])
 def _count_kernel(
     idx_ptr,
@@ -98,7 +139,10 @@ def _count_kernel(
     cnt_rows_ptr,
     cnt_pairs_ptr,
     tile_rows_ptr,
+    tile_stats_ptr,
+    n_tiles,
     K: tl.constexpr,
+    KP: tl.constexpr,
     BT: tl.constexpr,
     PP: tl.constexpr,
 ):
@@ -110,6 +154,10 @@ def _count_kernel(
     tl.store(cnt_rows_ptr + at, tl.sum(flag, axis=0), mask=p < P)
     tl.store(cnt_pairs_ptr + at, tl.sum(npair, axis=0), mask=p < P)
     tl.store(tile_rows_ptr + c * J + j, tl.sum(tl.sum(flag, axis=1), axis=0))
+    lo, hi, dup = _index_stats(idx_ptr, t, valid, stride_t, stride_k, K, KP, BT)
+    tl.store(tile_stats_ptr + c * J + j, lo)  # [3, n_tiles]: min, max, duplicate flag per tile
+    tl.store(tile_stats_ptr + n_tiles + c * J + j, hi)
+    tl.store(tile_stats_ptr + 2 * n_tiles + c * J + j, dup)
 
 
 @triton.jit(do_not_specialize=["J", "n_tiles", "T"])
@@ -127,6 +175,9 @@ def _scan_kernel(
     pairs_NP_ptr,
     tile_base_ptr,
     offsets_ptr,
+    tile_stats_ptr,
+    minmax_ptr,
+    dup_ptr,
     NPB: tl.constexpr,
     TB: tl.constexpr,
     B1: tl.constexpr,
@@ -157,14 +208,26 @@ def _scan_kernel(
         tl.store(pair_base_ptr + at, tl.cumsum(q, axis=1) - q + pair_carry[:, None], mask=m)
         row_carry += tl.sum(r, axis=1)
         pair_carry += tl.sum(q, axis=1)
-    # tiles in token order (chunk, tile): first combine position of each tile; S at the end
+    # tiles in token order (chunk, tile): first combine position of each tile; S at the end. The index stats
+    # of the tiles that hold tokens (every valid token has a send row; tile 0 always holds one for T > 0).
     carry = tl.zeros([1], dtype=tl.int64)
+    one = tl.arange(0, 1)
+    lo = tl.load(tile_stats_ptr + one)
+    hi = tl.load(tile_stats_ptr + n_tiles + one)
+    dup = tl.zeros([1], dtype=tl.int64)
     for i0 in range(0, n_tiles, B1):
         i = i0 + tl.arange(0, B1)
         v = tl.load(tile_rows_ptr + i, mask=i < n_tiles, other=0).to(tl.int64)
         tl.store(tile_base_ptr + i, tl.cumsum(v, axis=0) - v + carry, mask=i < n_tiles)
         carry += tl.sum(v, axis=0)
-    tl.store(offsets_ptr + T + tl.arange(0, 1), carry)
+        has = (i < n_tiles) & (v > 0)
+        lo = tl.minimum(lo, tl.min(tl.load(tile_stats_ptr + i, mask=has, other=0) + tl.where(has, 0, lo), 0))
+        hi = tl.maximum(hi, tl.max(tl.load(tile_stats_ptr + n_tiles + i, mask=has, other=0) + tl.where(has, 0, hi), 0))
+        dup = tl.maximum(dup, tl.max(tl.load(tile_stats_ptr + 2 * n_tiles + i, mask=has, other=0), 0))
+    tl.store(offsets_ptr + T + one, carry)
+    tl.store(minmax_ptr + one, lo)
+    tl.store(minmax_ptr + 1 + one, hi)
+    tl.store(dup_ptr + one, dup)
 
 
 @triton.jit(do_not_specialize=["T", "R", "J"])
@@ -289,13 +352,15 @@ def ep_send_side(
     num_chunks: int,
     *,
     block_tokens: int | None = None,
+    out: SendOutputs | None = None,
 ) -> EPSendSide:
-    """The plan's send side for top-K routing, equal bit for bit to ``send_side.send_side_torch`` (module docstring).
+    """The plan's send side for top-K routing, equal bit for bit to ``send_side.send_side_torch`` (module docstring),
+    and the routing's index stats (``IndexStats``).
 
     Args:
         indices_TK: int32/int64 [T, K] GLOBAL expert ids in [0, E), E = L*P (any strides). Bad ids do not
             crash nor write out of bounds (destinations are clamped as the reference does); validation
-            rejects them elsewhere.
+            rejects them elsewhere, from the index stats.
         scores_TK: [T, K] float32/bf16/fp16/float64 (any strides; only read, autograd untouched). Its bits
             ride in ``pair_meta_RC`` as ``send_side.score_columns`` puts them: C = 2 columns for float64, else 1.
         num_tokens: T (must equal indices_TK.shape[0]; T = 0 gives empty outputs and offsets [0]).
@@ -304,6 +369,7 @@ def ep_send_side(
         num_chunks: N >= 1 (N * P <= MAX_SEGMENTS).
         block_tokens: tokens per program, a power of two; None: 128, fewer for P > 4 (BT * PP = 512, BT >= 4).
             Any value gives the same result (the tests use small ones to cover several tiles).
+        out: where the counts and index stats go (``SendOutputs``); None: new tensors.
     Three launches, no host sync; sizes come from the shapes only.
     """
     _check(indices_TK, scores_TK, num_tokens, num_local_experts, world_size, num_chunks)
@@ -312,15 +378,19 @@ def ep_send_side(
     R, NP, device = T * K, N * P, indices_TK.device
     f64 = scores_TK.dtype == torch.float64
     i64 = dict(dtype=torch.int64, device=device)
-    order = torch.empty(R, **i64)
-    send_tok = torch.empty(R, **i64)
-    comb_order = torch.empty(R, **i64)
+    # One allocation for the int64 outputs sized by R (views below): fewer allocator calls on the host.
+    rows_R = torch.empty(3, R, **i64)
+    order, send_tok, comb_order = rows_R[0], rows_R[1], rows_R[2]
     meta = torch.empty(R, 4 if f64 else 3, dtype=torch.int32, device=device)
+    if out is None:
+        small = torch.empty(2 * NP + 3, **i64)
+        out = SendOutputs(small[:NP], small[NP : 2 * NP], small[2 * NP : 2 * NP + 2], small[2 * NP + 2 :])
+    stats = IndexStats(out.minmax, out.duplicate)
     if T == 0:
-        counts = torch.zeros(2, NP, **i64)
-        return EPSendSide(order, send_tok, comb_order, torch.zeros(1, **i64), meta, counts[0], counts[1])
+        for t in out:
+            t.fill_(0 if t is out.rows_NP or t is out.pairs_NP else -1)
+        return EPSendSide(order, send_tok, comb_order, torch.zeros(1, **i64), meta, out.rows_NP, out.pairs_NP, stats)
     offsets = torch.empty(T + 1, **i64)
-    counts = torch.empty(2, NP, **i64)  # rows_NP, pairs_NP
 
     PP = triton.next_power_of_2(P)
     if block_tokens is None:
@@ -330,13 +400,18 @@ def ep_send_side(
     else:
         raise ValueError(f"ep_send_side: block_tokens must be a power of two >= 1, got {block_tokens!r}")
     J = triton.cdiv(triton.cdiv(T, N), BT)  # tiles per chunk
-    cnt = torch.empty(2 * NP * J + N * J, dtype=torch.int32, device=device)
-    base = torch.empty(2 * NP * J + N * J, **i64)
+    n_tiles = N * J
+    cnt = torch.empty(2 * NP * J + n_tiles, dtype=torch.int32, device=device)
+    base = torch.empty(2 * NP * J + n_tiles + 3 * n_tiles, **i64)
     cnt_rows, cnt_pairs, tile_rows = cnt[: NP * J], cnt[NP * J : 2 * NP * J], cnt[2 * NP * J :]
-    row_base, pair_base, tile_base = base[: NP * J], base[NP * J : 2 * NP * J], base[2 * NP * J :]
+    row_base, pair_base = base[: NP * J], base[NP * J : 2 * NP * J]
+    tile_base, tile_stats = base[2 * NP * J : 2 * NP * J + n_tiles], base[2 * NP * J + n_tiles :]
     grid = (J, N)
     st, sk = indices_TK.stride()
-    _count_kernel[grid](indices_TK, st, sk, T, N, P, L, J, cnt_rows, cnt_pairs, tile_rows, K=K, BT=BT, PP=PP)
+    KP = triton.next_power_of_2(K)
+    _count_kernel[grid](
+        indices_TK, st, sk, T, N, P, L, J, cnt_rows, cnt_pairs, tile_rows, tile_stats, n_tiles, K=K, KP=KP, BT=BT, PP=PP
+    )
     NPB = triton.next_power_of_2(NP)
     _scan_kernel[(1,)](
         cnt_rows,
@@ -344,19 +419,24 @@ def ep_send_side(
         tile_rows,
         NP,
         J,
-        N * J,
+        n_tiles,
         T,
         row_base,
         pair_base,
-        counts[0],
-        counts[1],
+        out.rows_NP,
+        out.pairs_NP,
         tile_base,
         offsets,
+        tile_stats,
+        out.minmax,
+        out.duplicate,
         NPB=NPB,
         TB=max(1, _SCAN_ELEMS // NPB),
         B1=_SCAN_ELEMS,
         num_warps=8,
     )
+    if K == 1:  # no pair of a token to compare with
+        out.duplicate.fill_(-1)
     _place_kernel[grid](
         indices_TK,
         st,
@@ -385,4 +465,4 @@ def ep_send_side(
         IS_BF16=scores_TK.dtype == torch.bfloat16,
         FILL=triton.next_power_of_2(BT * K),
     )
-    return EPSendSide(order, send_tok, comb_order, offsets, meta, counts[0], counts[1])
+    return EPSendSide(order, send_tok, comb_order, offsets, meta, out.rows_NP, out.pairs_NP, stats)
