@@ -33,7 +33,6 @@ def _routing(rank, T, P, bad):
 def _plan(routing, P, N, fused):
     """(exchanged vectors [P, H + W], plan or the error message) with the fused path on or off."""
     import torch.distributed as dist
-
     from sonic_megatron.token_dispatch import EPInputError, finish_plan, start_plan
     from sonic_megatron.token_dispatch import plan as plan_mod
     from sonic_megatron.token_dispatch.triton_send import ep_send_side
