@@ -331,7 +331,8 @@ def _start_plan(inputs: PlanInputs, options: EPOptions, *, options_error: str | 
             V.check_backend(options.backend, x_TD, w1_EGD, w2_EDF, options.activation)
             tok_R, exp_R, scores_R = flat_routing(routing)
             # top-K on CUDA without rounding: the send-side kernels also compute the index stats (fused below)
-            kernels = None if rounding is not None or not is_topk else triton_send_side(routing, P)
+            # (T = 0: the reference path, whose header marks "no pairs" in the index fields)
+            kernels = None if rounding is not None or not is_topk or T == 0 else triton_send_side(routing, P)
             stats = None if kernels is not None else V.index_stats(tok_R, exp_R, T, is_flat)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by the header check
             error, cause = _local_error(exc), exc
