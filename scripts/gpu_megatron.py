@@ -6,9 +6,10 @@
 Steps in this order (each its own subprocess with a time limit; a failure or timeout is recorded in
 $OUT/gpu_megatron_summary.json and the next step still runs; the pass stays under TOTAL_S, default 470 s,
 later steps are skipped when time runs out):
-  compare    torchrun x4: SonicMoELayer vs stock MoELayer (same weights) at EP=1, 2, 4 on NCCL: bf16 with
-             the GPU backend (auto = cute on H100/H200) and fp32 with the torch backend, random / one-expert /
-             rank-0-only routings, shared experts (+ overlap), Megatron's dispatcher with Sonic experts.
+  compare    torchrun x4: SonicMoELayer vs stock MoELayer (same weights) at EP=1, 2, 4 and, with expert tensor
+             parallelism (TP = ETP = 2, sequence parallel), EP=1, 2 on NCCL: bf16 with the GPU backend (auto =
+             cute on H100/H200) and fp32 with the torch backend, random / one-expert / rank-0-only routings,
+             shared experts (+ overlap), Megatron's dispatcher with Sonic experts.
              Rule: error vs a float64 stock run <= 2x the stock layer's own error (+1e-6 of the magnitude).
   blockspec  ``sonic_block_spec`` (the --spec function for 0.19's GPTModelBuilder) on a GPTModelConfig with
              mixed dense/MoE layers builds SonicMoELayer exactly where the stock spec has MoE layers.
@@ -31,6 +32,7 @@ Env: OUT, TOTAL_S, STEPS (comma-separated step names to run; default all), CURVE
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -98,7 +100,7 @@ def driver() -> int:
     curve_steps = os.environ.get("CURVE_STEPS", "200")  # loss-curve length of curves / rounding
     overlap_args = ("--preset", "olmoe-small", "--layers", "2", "--seq", "1024", "--steps", "10")
     plan = [
-        ("compare", _torchrun(4, __file__, "compare", "--out", out), 100),
+        ("compare", _torchrun(4, __file__, "compare", "--out", out), 140),
         ("blockspec", [PY, __file__, "blockspec"], 30),
         ("ckpt", _torchrun(4, "tests/megatron_ckpt_chain.py", "--out", out, port=29517), 60),
         ("overlap", _torchrun(4, "examples/pretrain_gpt_sonic.py", *overlap_args, "--overlap-moe-expert-parallel-comm",
@@ -196,10 +198,13 @@ def compare_worker(out: str) -> int:
         Case("fp32_torch_backend", big, SonicConfig(backend="torch"), tokens=(256, 2), dtype=torch.float32),
     ]
     results = {}
-    for ep in (e for e in (1, 2, 4) if world % e == 0):
-        init_model_parallel(ep=ep)
+    layouts = [(1, e) for e in (1, 2, 4) if world % e == 0] + [(2, e) for e in (1, 2) if world % (2 * e) == 0]
+    for tp, ep in layouts:
+        init_model_parallel(ep=ep, tp=tp)
         for case in cases:
-            key = f"{case.name}@ep{ep}"
+            key = f"{case.name}@ep{ep}" if tp == 1 else f"{case.name}@tp{tp}ep{ep}"
+            if tp > 1:  # Megatron's MoE layer trains with tensor parallelism only under sequence parallelism
+                case = dataclasses.replace(case, overrides=dict(case.overrides, sequence_parallel=True))
             try:
                 res = compare_case(case, device, seed=10 + rank)
                 fails = passes(res, case.dtype)

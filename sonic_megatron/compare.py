@@ -140,19 +140,20 @@ def compare_case(case: Case, device: torch.device, seed: int) -> dict:
     return result
 
 
-def compare_cases(cases: list[Case], ep_sizes: tuple[int, ...], device: torch.device, seed: int) -> dict:
-    """``compare_case`` for every case at every expert-parallel size (Megatron's parallel state set per size) on
-    this rank: ``{"<case>@ep<size>": {"failures": [...], "errors": ...}}``, ready for JSON. A case that raises is
-    reported with its traceback and the others still run."""
+def compare_cases(cases: list[Case], ep_sizes: tuple[int, ...], device: torch.device, seed: int, tp: int = 1) -> dict:
+    """``compare_case`` for every case at every expert-parallel size (Megatron's parallel state set per size, with
+    tensor-parallel size ``tp``, which the expert tensor-parallel size follows) on this rank:
+    ``{"<case>@ep<size>": {"failures": [...], "errors": ...}}`` (``@tp<tp>ep<size>`` where ``tp`` > 1), ready for
+    JSON. A case that raises is reported with its traceback and the others still run."""
     import traceback
 
     from .testing import init_model_parallel
 
     results = {}
     for ep in ep_sizes:
-        init_model_parallel(ep=ep)
+        init_model_parallel(ep=ep, tp=tp)
         for case in cases:
-            key = f"{case.name}@ep{ep}"
+            key = f"{case.name}@ep{ep}" if tp == 1 else f"{case.name}@tp{tp}ep{ep}"
             try:
                 res = compare_case(case, device, seed=seed)
                 results[key] = {"failures": passes(res, case.dtype), "errors": _json_ready(res)}

@@ -269,6 +269,32 @@ def _reject(option: str, value: object, why: str) -> None:
     raise ValueError(f"sonic_megatron does not support {option}={value!r}: {why}")
 
 
+def expert_ffn_per_rank(config, etp: int | None = None) -> int:
+    """Each expert's ffn size on one rank: ``moe_ffn_hidden_size`` (else ``ffn_hidden_size``) / the expert
+    tensor-parallel size ``etp`` (default: the config's, ``expert_tp_size``). Raises ValueError naming both when it
+    does not divide."""
+    ffn = getattr(config, "moe_ffn_hidden_size", None) or config.ffn_hidden_size
+    etp = expert_tp_size(config) if etp is None else etp
+    _check_ffn_split(ffn, etp)
+    return ffn // etp
+
+
+def expert_tp_size(config) -> int:
+    """The expert tensor-parallel size of Megatron's ``config``: ``expert_tensor_parallel_size``, which Megatron
+    takes from ``tensor_model_parallel_size`` when it is not given."""
+    return getattr(config, "expert_tensor_parallel_size", None) or getattr(config, "tensor_model_parallel_size", 1) or 1
+
+
+def _check_ffn_split(ffn: int, etp: int) -> None:
+    if ffn % etp:
+        raise ValueError(
+            f"sonic_megatron: moe_ffn_hidden_size={ffn} (--moe-ffn-hidden-size) is not divisible by "
+            f"expert_tensor_parallel_size={etp} (--expert-tensor-parallel-size; Megatron's default is "
+            "--tensor-model-parallel-size): every expert-tensor-parallel rank holds an equal share of each expert's "
+            "ffn dimension; pick an ffn size that is a multiple of it"
+        )
+
+
 def _check_router_topk(topk, num_experts: int) -> None:
     """Each token picks ``topk`` distinct experts: more than there are fails inside Megatron's top-k at the first
     forward ("selected index k out of range"), so refuse it here, naming both values."""
@@ -298,21 +324,14 @@ def validate_megatron_config(config, sonic: SonicConfig) -> str:
             "pick --num-experts as a multiple of --expert-model-parallel-size"
         )
     _check_router_topk(g("moe_router_topk"), g("num_moe_experts"))
+    ffn = g("moe_ffn_hidden_size") or g("ffn_hidden_size")
+    if ffn is not None:  # expert tensor parallelism splits the ffn dimension evenly
+        _check_ffn_split(ffn, expert_tp_size(config))
     activation = kernels_activation(config)
     if g("add_bias_linear"):
         _reject("add_bias_linear", True, "the Sonic experts have no biases; pass --disable-bias-linear")
     if g("moe_apply_probs_on_input"):
         _reject("moe_apply_probs_on_input", True, "Sonic applies probs to the activation (SonicMoE's A' = s*A)")
-    etp = g("expert_tensor_parallel_size") or g("tensor_model_parallel_size", 1)
-    if etp != 1:
-        _reject(
-            "expert_tensor_parallel_size",
-            etp,
-            "the plugin's experts are not tensor-parallel; Megatron takes the expert tensor-parallel size from "
-            "--tensor-model-parallel-size when --expert-tensor-parallel-size is not given, so with tensor "
-            "parallelism pass --expert-tensor-parallel-size 1 (expert_tensor_parallel_size=1) and use expert "
-            "parallelism for the experts",
-        )
     capacity_factor = g("moe_expert_capacity_factor")
     if g("moe_pad_expert_input_to_capacity") and capacity_factor is None:
         _reject(

@@ -1,26 +1,30 @@
 """``SonicTokenDispatcher``: Megatron's token-dispatcher protocol over the layer's dispatch mode (``modes.py``).
 
-Shape legend: S sequence (/TP), B batch, T = S*B tokens of this rank, H hidden, K top-K, Tr rows received by this
-rank.
+Shape legend: S sequence (/TP), B batch, T = S*B tokens of this rank, P expert tensor-parallel size (ETP), H
+hidden, K top-K, Tr rows received by this rank.
 
 Megatron's MoELayer calls, in order (each step may be its own node of the 1F1B overlap schedule):
-    dispatch_preprocess(hidden [S,B,H], RouterOutput) -> (x [T,H], scores)   mode.preprocess
+    dispatch_preprocess(hidden [S,B,H], RouterOutput) -> (x [PT,H], scores)  [ETP gather], mode.preprocess
     token_dispatch(x, scores) -> (x_recv [Tr,H], scores_recv)               mode.dispatch
     dispatch_postprocess(x_recv, scores_recv) -> (x_recv, None, scores_recv)
     [SonicMoELayer.routed_experts_compute: mode.compute]
-    combine_preprocess(y_recv) -> y_recv;   token_combine(y_recv) -> out [T,H]   mode.combine
+    combine_preprocess(y_recv) -> y_recv;   token_combine(y_recv) -> out [T,H]   mode.combine, [ETP sum]
     combine_postprocess(out) -> [S,B,H] (+ overlapped shared-expert output)
-The dispatcher keeps what the protocol needs around the mode: the input's shape, the shared-expert overlap (its
-stream hooks at the same points as Megatron 0.16's alltoall dispatcher: fc1 runs while the dispatch all-to-all
-is in flight) and the warning about rounding few tiles.
+The dispatcher keeps what the protocol needs around the mode: the input's shape, expert tensor parallelism (with
+ETP > 1 the mode works on the ETP group's gathered tokens and the ranks' partial outputs are summed back onto
+each rank's own tokens: ``expert_tp.py``), the shared-expert overlap (its stream hooks at the same points as
+Megatron 0.16's alltoall dispatcher: fc1 runs while the dispatch all-to-all is in flight) and the warning about
+rounding few tiles.
 """
 
 from __future__ import annotations
 
 import warnings
 
+from megatron.core import utils as megatron_utils
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+from .expert_tp import gather_routed, sum_partials
 from .layer_options import LayerOptions
 from .modes import DispatchMode
 from .router import RouterOutput
@@ -71,14 +75,19 @@ class SonicTokenDispatcher(MoETokenDispatcher):
         self.local_expert_indices = list(local_expert_indices)
         self.hidden_shape = None
         self._warned_few_tiles: set[int] = set()  # token counts already checked
+        # expert tensor parallelism: the group whose tokens the mode sees gathered (None at ETP 1)
+        etp_group = pg_collection.expt_tp
+        self.etp_group = etp_group if megatron_utils.get_pg_size(etp_group) > 1 else None
 
     def dispatch_preprocess(self, hidden_states, routed: RouterOutput):
         self.hidden_shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, self.hidden_shape[-1])
-        if routed.dense_probs_TE is not None:
-            self._warn_few_tiles(x_TH.shape[0])
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden_states)
+        if self.etp_group is not None:
+            x_TH, routed = gather_routed(x_TH, routed, self.etp_group)
+        if routed.dense_probs_TE is not None:
+            self._warn_few_tiles(x_TH.shape[0])
         return self.mode.preprocess(x_TH, routed)
 
     def _warn_few_tiles(self, num_tokens: int) -> None:
@@ -110,7 +119,8 @@ class SonicTokenDispatcher(MoETokenDispatcher):
         return hidden_states
 
     def token_combine(self, hidden_states, *args, **kwargs):
-        return self.mode.combine(hidden_states)
+        out = self.mode.combine(hidden_states)
+        return out if self.etp_group is None else sum_partials(out, self.etp_group)
 
     def combine_postprocess(self, hidden_states):
         if self.shared_experts is not None:

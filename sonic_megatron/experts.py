@@ -1,9 +1,11 @@
 """``SonicExperts``: Megatron's experts module contract on top of ``sonic_megatron.kernels``.
 
-Shape legend: N dispatched rows, T tokens, H hidden size, F expert ffn size, El local experts, G = 2F (GLU)
-or F. Parameters are stacked as the kernels want them (nn.Linear layout per expert):
-    weight1 [El, G, H]  fc1, GLU rows ``[gate ; up]`` (gate first, Megatron's order)
-    weight2 [El, H, F]  fc2
+Shape legend: N dispatched rows, T tokens, H hidden size, F expert ffn size of this rank (``moe_ffn_hidden_size``
+/ ETP, the expert tensor-parallel size), El local experts, G = 2F (GLU) or F. Parameters are stacked as the
+kernels want them (nn.Linear layout per expert):
+    weight1 [El, G, H]  fc1, GLU rows ``[gate ; up]`` (gate first, Megatron's order; with ETP > 1 this rank's
+                        share of each, ``init_stacked_weights``)
+    weight2 [El, H, F]  fc2 (with ETP > 1 this rank's columns: the output is a partial sum)
 
 Ways in:
 * ``forward(tokens_NH, tokens_per_expert, probs_N, **kwargs) -> (out_NH, None)``: Megatron's contract (rows
@@ -28,7 +30,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 
 from .checkpoint import drop_extra_state_keys, stacked_experts_sharded_state_dict
-from .config import SonicConfig
+from .config import SonicConfig, expert_ffn_per_rank
 from .kernels import FlatRouting, TopKRouting, moe_experts
 from .kernels.activations import is_gated
 from .kernels.routing import Routing
@@ -39,19 +41,24 @@ from .wgrad import WeightGradSink, add_to_main_grads
 
 
 def init_stacked_weights(module, config, num_local_experts: int, pg_collection, gated: bool) -> None:
-    """The stacked expert parameters every experts module of this package keeps (``weight1`` [El, G, H], fc1
-    with GLU rows ``[gate ; up]``; ``weight2`` [El, H, F], fc2), uninitialised, with the process groups and the
-    parameter attributes of Megatron's expert linears. Expert tensor parallelism is refused."""
-    name = type(module).__name__
+    """The stacked expert parameters every experts module of this package keeps (``weight1`` [El, G/ETP, H], fc1
+    with GLU rows ``[gate ; up]``; ``weight2`` [El, H, F/ETP], fc2), uninitialised, with the process groups and the
+    parameter attributes of Megatron's expert linears.
+
+    Expert tensor parallelism (``pg_collection.expt_tp`` of size ETP > 1) splits every expert's ffn dimension as
+    Megatron's ETP experts do (SequentialMLP's ColumnParallel fc1 / RowParallel fc2, TEGroupedMLP alike), so that
+    local shapes and checkpoints are interchangeable: ETP rank r holds gate rows ``[r F/ETP, (r+1) F/ETP)`` and the
+    same up rows, stacked ``[gate_r ; up_r]`` (what Megatron's GLU chunks its local fc1 output into), and fc2's
+    columns ``[r F/ETP, (r+1) F/ETP)``. Its output is a partial down-projection: whoever dispatches to it sums
+    the partials over the ETP group (Megatron's dispatchers, or ``expert_tp.py`` for the plugin's)."""
     module.num_local_experts = num_local_experts
     module.ep_group = pg_collection.ep
     module.dp_group = pg_collection.expt_dp
     module.tp_group = pg_collection.expt_tp
-    etp = module.tp_group.size() if module.tp_group is not None else 1
-    if etp != 1:
-        raise ValueError(f"{name}: expert tensor parallelism is not supported (expt_tp size {etp})")
+    module.etp_size = module.tp_group.size() if module.tp_group is not None else 1
+    module.etp_rank = module.tp_group.rank() if module.tp_group is not None else 0
     hidden = config.hidden_size
-    ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size
+    ffn = expert_ffn_per_rank(config, module.etp_size)
     fc1_rows = 2 * ffn if gated else ffn
     device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
     module.weight1 = torch.nn.Parameter(
@@ -62,8 +69,9 @@ def init_stacked_weights(module, config, num_local_experts: int, pg_collection, 
     )
     for p, dim in ((module.weight1, 1), (module.weight2, 2)):
         # Expert parameters: reduced over the expert-data-parallel group by DDP/optimizer/clipping
-        # (allreduce=False, as megatron-core marks every expert linear); TP attributes as Megatron's expert
-        # linears at expert-TP 1.
+        # (allreduce=False); tensor-parallel over the expert-tensor-parallel group along the ffn dimension, as
+        # Megatron's expert linears (``partition_dim`` in the stacked layout), so that the gradient norm counts
+        # every shard once.
         p.allreduce = False
         p.tensor_model_parallel = True
         p.partition_dim = dim

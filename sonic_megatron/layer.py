@@ -20,6 +20,9 @@ experts and combine; the plan's one host sync in dispatch), ``PipelinedMode`` wi
 ``redispatch_x_in_backward`` (token_dispatch's pipelined ``expert_parallel_experts`` in routed_experts_compute,
 chunk i's all-to-all overlapping chunk i+1's GEMMs; dispatch and combine pass tensors through).
 
+With expert tensor parallelism (ETP > 1) the experts hold their ETP shard of every expert and the dispatcher
+gathers the ETP group's tokens before the mode and sums the partial outputs after it (``expert_tp.py``).
+
 With ``dispatcher='megatron'`` Megatron's own dispatcher is kept (any ``moe_token_dispatcher_type``) and only the
 experts are Sonic: every step is MoELayer's. Options are resolved once (``LayerOptions``) and given to the router,
 the experts and the mode at construction; unsupported Megatron options fail here (``config.py``).

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import SonicConfig, env_var, kernels_activation, validate_megatron_config
+from .config import SonicConfig, env_var, expert_ffn_per_rank, kernels_activation, validate_megatron_config
 from .kernels import BACKENDS, backends
 from .token_dispatch import EPOptions, TokenRounding
 
@@ -61,7 +61,8 @@ class LayerOptions:
 def layer_backend(choice: str, config, activation: str) -> str:
     """The experts backend, ``torch`` or ``cute``, of a layer with Megatron's ``config`` and the kernels'
     ``activation``, decided when the layer is built from the cute backend's rule (``kernels/backends.py``): the
-    activation, ``params_dtype``, ``hidden_size`` and the expert ffn size against the GEMMs' alignment, the local
+    activation, ``params_dtype``, ``hidden_size`` and the expert ffn size of one rank (``moe_ffn_hidden_size`` /
+    the expert tensor-parallel size) against the GEMMs' alignment, the local
     expert count and the current CUDA device (where Megatron trains, also after ``--use-cpu-initialization``),
     then whether the backend imports.
 
@@ -70,7 +71,7 @@ def layer_backend(choice: str, config, activation: str) -> str:
     this layer raises ValueError naming the option, its allowed values and the reason."""
     if choice == "torch":
         return "torch"
-    ffn = getattr(config, "moe_ffn_hidden_size", None) or config.ffn_hidden_size
+    ffn = expert_ffn_per_rank(config)
     num_experts = getattr(config, "num_moe_experts", None)
     ep = getattr(config, "expert_model_parallel_size", 1) or 1
     reason = (

@@ -60,7 +60,7 @@ def expert_rng_context():
 
 
 # ----------------------------------------------------------------------------------------------------------
-# CPU / gloo: the four patches of patch_megatron_for_cpu
+# CPU / gloo: the patches of patch_megatron_for_cpu
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -110,8 +110,10 @@ def patch_megatron_for_cpu() -> None:
     (2) CUDA streams/events become no-op objects; (3) the alltoall dispatcher's ``maybe_move_tensor_to_cpu``
     also converts CPU tensors to numpy split sizes; (4) on 0.16 without Transformer Engine the missing
     ``te_general_gemm`` name is defined as None; (5) the CUDA RNG tracker's ``fork`` is a no-op (its states
-    need CUDA; attention dropout on a CPU then draws from the default generator). Refuses to patch when CUDA
-    is available.
+    need CUDA; attention dropout on a CPU then draws from the default generator); (6) the tensor-parallel
+    mappings' gather and reduce-scatter with uneven split sizes (the alltoall dispatcher's, over the expert
+    tensor-parallel group) run as equal-size collectives of padded chunks (``_equal_size_mappings``: gloo takes
+    equal sizes only). Refuses to patch when CUDA is available.
     """
     global _CPU_PATCHED
     if _CPU_PATCHED:
@@ -145,7 +147,39 @@ def patch_megatron_for_cpu() -> None:
     from megatron.core.tensor_parallel import random as mp_random
 
     mp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    _equal_size_mappings()
     _CPU_PATCHED = True
+
+
+def _equal_size_mappings() -> None:
+    """Megatron's ``_gather_along_first_dim`` / ``_reduce_scatter_along_first_dim`` with split sizes call
+    ``all_gather`` / ``reduce_scatter`` on lists of uneven tensors, which gloo refuses ("invalid tensor size").
+    Here every chunk is padded to the largest one, the equal-size collective runs, and the padding is cut off: the
+    same values (the padding rows are zeros and are never read)."""
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def padded(chunk: torch.Tensor, rows: int) -> torch.Tensor:
+        return torch.cat([chunk, chunk.new_zeros(rows - chunk.shape[0], *chunk.shape[1:])])
+
+    def gather_equal(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        rows = max(max(output_split_sizes), 1)  # a chunk of one row where every rank sends none
+        out = gather(padded(input_, rows), group)
+        return torch.cat([c[:n] for c, n in zip(out.split(rows), output_split_sizes, strict=True)])
+
+    def reduce_scatter_equal(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        rows = max(max(input_split_sizes), 1)
+        chunks = torch.split(input_, list(input_split_sizes))
+        out = reduce_scatter(torch.cat([padded(c, rows) for c in chunks]), group)
+        return out[: input_split_sizes[group.rank()]]
+
+    mappings._gather_along_first_dim = gather_equal
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_equal
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -135,6 +135,16 @@ def copy_sequential_to_sonic(sequential, sonic) -> None:
         sonic.weight2[e].copy_(expert.linear_fc2.weight)
 
 
+def etp_shard(w1: torch.Tensor, w2: torch.Tensor, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert tensor-parallel rank ``rank``'s share (of ``size``) of stacked expert weights ``w1`` [El, 2F, H]
+    (``[gate ; up]``) and ``w2`` [El, H, F]: ``[gate_r ; up_r]`` [El, 2F/size, H] and fc2's columns [El, H, F/size],
+    the layout of Megatron's ETP experts (``experts.init_stacked_weights``)."""
+    f = w2.shape[-1] // size
+    rows = slice(rank * f, (rank + 1) * f)
+    gate, up = w1.chunk(2, dim=1)
+    return torch.cat([gate[:, rows], up[:, rows]], dim=1), w2[..., rows]
+
+
 def sonic_grads_as_sequential(sonic) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """SonicExperts' weight grads per expert, in SequentialMLP's (fc1, fc2) shapes."""
     g1, g2 = sonic.weight1.grad, sonic.weight2.grad

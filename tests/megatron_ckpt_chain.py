@@ -2,12 +2,15 @@
 MoELayer (SequentialMLP) -> SonicMoELayer at other EP sizes -> stock again, checking after every load that the
 expert and router weights equal the original global weights bitwise.
 
-Used by ``tests/test_megatron_checkpoint_files.py`` (2 gloo ranks on CPU, chain EP 2 -> 1 -> 2 -> 2) and run as
-the GPU pass's ``ckpt`` step (``scripts/gpu_megatron.py``) on 4 GPUs under NCCL:
+Used by ``tests/test_megatron_checkpoint_files.py`` (2 gloo ranks on CPU, chain EP 2 -> 1 -> 2 -> 2, and with
+expert tensor parallelism ``CKPT_CHAIN_ETP_2``) and run as the GPU pass's ``ckpt`` step
+(``scripts/gpu_megatron.py``) on 4 GPUs under NCCL:
 
     torchrun --nproc-per-node 4 tests/megatron_ckpt_chain.py --out DIR      # chain EP 4 -> 2 -> 1 -> 4
 
 Legend: E experts, H hidden size, F expert ffn size; fc1 [E, 2F, H] ([gate ; up]), fc2 [E, H, F], router [E, H].
+A rank holds its EP rank's experts and, at expert tensor-parallel size ETP > 1, its ETP rank's share of their ffn
+dimension (``sonic_megatron.testing.etp_shard``).
 """
 
 from __future__ import annotations
@@ -17,15 +20,32 @@ import os
 import sys
 import time
 
-# Hops of the checkpoint chain: (layer kind, EP size). Hop 0 sets random global weights and saves; every later
-# hop loads the previous hop's checkpoint directory, checks it, and saves its own.
+# Hops of the checkpoint chain: (layer kind, EP size) or (layer kind, EP size, TP = ETP size). Hop 0 sets random
+# global weights and saves; every later hop loads the previous hop's checkpoint directory, checks it, and saves its
+# own.
 CKPT_CHAIN_4 = (("stock", 4), ("sonic", 2), ("sonic", 1), ("stock", 4))
 CKPT_CHAIN_2 = (("stock", 2), ("sonic", 1), ("sonic", 2), ("stock", 2))
+# stock ETP 2 -> Sonic ETP 2 -> Sonic ETP 1 (EP 1, then EP 2) -> Sonic ETP 2 -> stock ETP 2
+CKPT_CHAIN_ETP_2 = (
+    ("stock", 1, 2),
+    ("sonic", 1, 2),
+    ("sonic", 1, 1),
+    ("sonic", 2, 1),
+    ("sonic", 1, 2),
+    ("stock", 1, 2),
+)
 _CKPT_E, _CKPT_H, _CKPT_F = 8, 64, 96  # experts, hidden, expert ffn: small, so that the pass stays fast
+
+
+def _hop(entry) -> tuple[str, int, int]:
+    """(layer kind, EP, TP = ETP) of a chain entry."""
+    kind, ep, *tp = entry
+    return kind, ep, tp[0] if tp else 1
 
 
 def _ckpt_layer(kind: str, device):
     import torch
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -34,7 +54,9 @@ def _ckpt_layer(kind: str, device):
     from sonic_megatron.spec import moe_submodules_of
     from sonic_megatron.testing import moe_config
 
-    config = moe_config(num_moe_experts=_CKPT_E, hidden_size=_CKPT_H, moe_ffn_hidden_size=_CKPT_F)
+    # Megatron's MoE layer refuses tensor parallelism without sequence parallelism in training (the default mode)
+    sp = ps.get_tensor_model_parallel_world_size() > 1
+    config = moe_config(num_moe_experts=_CKPT_E, hidden_size=_CKPT_H, moe_ffn_hidden_size=_CKPT_F, sequence_parallel=sp)
     torch.manual_seed(0)  # construction-time init; every hop overwrites it by loading or by _ckpt_set_global
     if kind == "stock":
         spec = get_gpt_layer_local_spec(num_experts=_CKPT_E, moe_grouped_gemm=False)
@@ -60,16 +82,23 @@ def _ckpt_local(layer):
     return tuple(t.float().cpu() for t in local_moe_weights(layer))
 
 
-def _ckpt_expected(ep_rank: int, ep: int):
+def _ckpt_expected():
+    """This rank's (fc1, fc2, router) of the global weights, in Megatron's parallel state."""
+    from megatron.core import parallel_state as ps
+
+    from sonic_megatron.testing import etp_shard
+
     w1, w2, r = _ckpt_global_weights()
+    ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
     sl = slice(ep_rank * (_CKPT_E // ep), (ep_rank + 1) * (_CKPT_E // ep))
-    return w1[sl], w2[sl], r
+    w1, w2 = etp_shard(w1[sl], w2[sl], ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+    return w1, w2, r
 
 
-def _ckpt_set_global(layer, ep_rank: int, ep: int) -> None:
+def _ckpt_set_global(layer) -> None:
     import torch
 
-    w1, w2, r = _ckpt_expected(ep_rank, ep)
+    w1, w2, r = _ckpt_expected()
     with torch.no_grad():
         ex = layer.experts
         if hasattr(ex, "local_experts"):
@@ -106,7 +135,6 @@ def ckpt_worker(rank: int, world: int, out: str, chain=CKPT_CHAIN_4, ckpt_root: 
     import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
 
     from sonic_megatron.megatron_compat import allow_checkpoint_save_without_psutil
     from sonic_megatron.testing import init_model_parallel
@@ -119,14 +147,14 @@ def ckpt_worker(rank: int, world: int, out: str, chain=CKPT_CHAIN_4, ckpt_root: 
         os.makedirs(root)
     dist.barrier()
     hops, out0 = [], None
-    for i, (kind, ep) in enumerate(chain):
+    for i, entry in enumerate(chain):
         t0 = time.time()
-        init_model_parallel(ep=ep)
+        kind, ep, tp = _hop(entry)
+        init_model_parallel(ep=ep, tp=tp)
         layer = _ckpt_layer(kind, device)
-        ep_rank = ps.get_expert_model_parallel_rank()
-        hop = {"hop": i, "layer": kind, "ep": ep}
+        hop = {"hop": i, "layer": kind, "ep": ep, "etp": tp}
         if i == 0:
-            _ckpt_set_global(layer, ep_rank, ep)
+            _ckpt_set_global(layer)
         else:
             src = os.path.join(root, f"hop{i - 1}")
             loaded = dist_checkpointing.load(layer.sharded_state_dict(prefix="mlp."), src)
@@ -134,9 +162,9 @@ def ckpt_worker(rank: int, world: int, out: str, chain=CKPT_CHAIN_4, ckpt_root: 
             missing, unexpected = layer.load_state_dict(state, strict=False)
             missing = [k for k in missing if "_extra_state" not in k]
             if missing:
-                raise RuntimeError(f"hop {i} ({kind} EP={ep}): keys not in the checkpoint: {missing}")
+                raise RuntimeError(f"hop {i} ({kind} EP={ep} ETP={tp}): keys not in the checkpoint: {missing}")
             hop["loaded_from"] = src
-        pairs = zip(_ckpt_local(layer), _ckpt_expected(ep_rank, ep), strict=True)
+        pairs = zip(_ckpt_local(layer), _ckpt_expected(), strict=True)
         diffs = [(got - want).abs().max().item() for got, want in pairs]
         output = _ckpt_output(layer, rank, device)
         out0 = output if i == 0 else out0
@@ -154,13 +182,18 @@ def ckpt_worker(rank: int, world: int, out: str, chain=CKPT_CHAIN_4, ckpt_root: 
         hop["saved_to"] = dst
         hop["files"] = sorted(os.listdir(dst))
         weights_equal = fc1 == 0 and fc2 == 0 and router == 0
-        same_as_hop0 = (kind, ep) == tuple(chain[0])
+        same_as_hop0 = (kind, ep, tp) == _hop(chain[0])
         hop["pass"] = weights_equal and (out_diff == 0 if same_as_hop0 else out_diff <= 1e-4 * hop["output_max_abs"])
         hop["seconds"] = round(time.time() - t0, 2)
         hops.append(hop)
         if rank == 0:
             print(json.dumps(hop), flush=True)
-    summary = {"chain": [list(c) for c in chain], "world": world, "hops": hops, "pass": all(h["pass"] for h in hops)}
+    summary = {
+        "chain": [list(_hop(c)) for c in chain],
+        "world": world,
+        "hops": hops,
+        "pass": all(h["pass"] for h in hops),
+    }
     if rank == 0:
         with open(os.path.join(out, "ckpt_summary.json"), "w") as f:
             json.dump(summary, f, indent=2)

@@ -3,10 +3,12 @@ nothing. A checkpoint here is what dist_checkpointing writes -- every main-repli
 layer's sharded_state_dict (factories applied) placed at its global offset -- gathered over gloo into
 global tensors, and loading fills each rank's sharded tensors from them and merges the factories, as
 dist_checkpointing.load does, so that this test sees every shard; the real checkpoint directories
-(dist_checkpointing.save/load, torch_dist) are tested in test_megatron_checkpoint_files.py. Chain:
-stock EP=4 -> Sonic EP=2 -> Sonic EP=1 -> stock EP=4 and stock EP=2, with the values compared against the
-global weights after every load; and the Sonic sharded state dict has exactly SequentialMLP's keys, global
-shapes and per-expert offsets."""
+(dist_checkpointing.save/load, torch_dist) are tested in test_megatron_checkpoint_files.py. Chains (``CHAIN``):
+stock EP=4 -> Sonic EP=2 -> Sonic EP=1 -> stock EP=4 and stock EP=2; with expert tensor parallelism (TP = ETP =
+2) stock -> Sonic -> stock at ETP 2, Sonic ETP 2 -> ETP 1 at EP 1 and EP 4, and back to ETP 2 at EP 1 -> stock;
+the values compared against the global weights after every load. And the Sonic sharded state dict has exactly
+SequentialMLP's keys, global shapes, per-expert and per-ETP-rank offsets and replica ids, at EP 1, 2, 4 and at
+ETP 2 with EP 1 and 2."""
 
 from __future__ import annotations
 
@@ -16,9 +18,24 @@ import os
 import pytest
 import torch
 
-from sonic_megatron.testing import local_moe_weights
+from sonic_megatron.testing import etp_shard, local_moe_weights
 
 E, H, F = 8, 32, 48
+# (layer, EP, TP = ETP, checkpoint it writes, checkpoint it reads): a hop that reads none sets the global weights
+CHAIN = (
+    ("stock", 4, 1, "a", None),
+    ("sonic", 2, 1, "b", "a"),
+    ("sonic", 1, 1, "c", "b"),
+    ("stock", 4, 1, None, "c"),
+    ("stock", 2, 1, None, "b"),
+    ("stock", 2, 2, "e", None),
+    ("sonic", 2, 2, "f", "e"),
+    ("stock", 2, 2, None, "f"),
+    ("sonic", 1, 1, None, "f"),
+    ("sonic", 4, 1, "g", "f"),
+    ("sonic", 1, 2, "h", "g"),
+    ("stock", 2, 2, None, "h"),
+)
 
 
 def _global_weights():
@@ -48,28 +65,35 @@ def _layers(kind):
     return SonicMoELayer(config, sonic_config=SonicConfig(backend="torch"))
 
 
-@torch.no_grad()
-def _set_global(layer, rank_ep, ep):
+def _local_global_weights():
+    """This rank's (fc1, fc2, router) of the global weights: its EP rank's experts, its ETP rank's share."""
+    from megatron.core import parallel_state as ps
+
     w1, w2, r = _global_weights()
-    n = E // ep
-    sl = slice(rank_ep * n, (rank_ep + 1) * n)
+    n = E // ps.get_expert_model_parallel_world_size()
+    sl = slice(ps.get_expert_model_parallel_rank() * n, (ps.get_expert_model_parallel_rank() + 1) * n)
+    l1, l2 = etp_shard(w1[sl], w2[sl], ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+    return l1, l2, r
+
+
+@torch.no_grad()
+def _set_global(layer):
+    w1, w2, r = _local_global_weights()
     ex = layer.experts
     if hasattr(ex, "local_experts"):
         for i, e in enumerate(ex.local_experts):
-            e.linear_fc1.weight.copy_(w1[sl][i])
-            e.linear_fc2.weight.copy_(w2[sl][i])
+            e.linear_fc1.weight.copy_(w1[i])
+            e.linear_fc2.weight.copy_(w2[i])
     else:
-        ex.weight1.copy_(w1[sl])
-        ex.weight2.copy_(w2[sl])
+        ex.weight1.copy_(w1)
+        ex.weight2.copy_(w2)
     layer.router.weight.copy_(r)
 
 
-def _check_global(layer, rank_ep, ep, what):
-    w1, w2, r = _global_weights()
-    n = E // ep
-    sl = slice(rank_ep * n, (rank_ep + 1) * n)
-    l1, l2, lr = local_moe_weights(layer)
-    for name, got, want in (("fc1", l1, w1[sl]), ("fc2", l2, w2[sl]), ("router", lr, r)):
+def _check_global(layer, what):
+    for name, got, want in zip(
+        ("fc1", "fc2", "router"), local_moe_weights(layer), _local_global_weights(), strict=True
+    ):
         assert torch.equal(got, want), f"{what}: {name} differs after load"
 
 
@@ -98,7 +122,7 @@ def _sharded_layout(layer):
                     [list(it.global_shape), list(it.global_offset), list(it.local_shape), list(it.replica_id)]
                 )
             else:
-                out.setdefault(it.key, []).append([list(it.global_shape), list(it.global_offset)])
+                out.setdefault(it.key, []).append([list(it.global_shape), list(it.global_offset), list(it.replica_id)])
     return {k: sorted(v) for k, v in out.items()}
 
 
@@ -177,39 +201,30 @@ def _load(layer, store):
     assert not [k for k in missing if "_extra_state" not in k], missing
 
 
-def _worker(rank, world, tmp):
-    from megatron.core import parallel_state as ps
+def _hop_key(kind, ep, tp, src):
+    return f"{kind}@ep{ep}<-{src}" if tp == 1 else f"{kind}@tp{tp}ep{ep}<-{src}"
 
+
+def _worker(rank, world, tmp):
     from sonic_megatron.testing import init_model_parallel
 
     report = {}
     stores = {}
-    chain = [
-        ("stock", 4, "save", "a"),
-        ("sonic", 2, "load", "a"),
-        ("sonic", 2, "save", "b"),
-        ("sonic", 1, "load", "b"),
-        ("sonic", 1, "save", "c"),
-        ("stock", 4, "load", "c"),
-        ("stock", 2, "load", "b"),
-    ]
-    for kind, ep, op, name in chain:
-        init_model_parallel(ep=ep)
+    for kind, ep, tp, dst, src in CHAIN:
+        init_model_parallel(ep=ep, tp=tp)
         layer = _layers(kind)
-        er = ps.get_expert_model_parallel_rank()
-        if op == "save":
-            if kind == "stock":
-                _set_global(layer, er, ep)
-            else:
-                _load(layer, stores[{"b": "a", "c": "b"}[name]])
-            _save(layer, stores.setdefault(name, {}))
+        if src is None:
+            _set_global(layer)
         else:
-            _load(layer, stores[name])
-            _check_global(layer, er, ep, f"{kind} EP={ep} from checkpoint {name}")
-            report[f"{kind}@ep{ep}<-{name}"] = "ok"
-    for ep in (1, 2, 4):
-        init_model_parallel(ep=ep)
-        report[f"layout@ep{ep}"] = [_sharded_layout(_layers("stock")), _sharded_layout(_layers("sonic"))]
+            _load(layer, stores[src])
+            _check_global(layer, f"{kind} EP={ep} ETP={tp} from checkpoint {src}")
+            report[_hop_key(kind, ep, tp, src)] = "ok"
+        if dst is not None:
+            _save(layer, stores.setdefault(dst, {}))
+    for tp, ep in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2)):
+        init_model_parallel(ep=ep, tp=tp)
+        key = f"layout@ep{ep}" if tp == 1 else f"layout@tp{tp}ep{ep}"
+        report[key] = [_sharded_layout(_layers("stock")), _sharded_layout(_layers("sonic"))]
     with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
 
@@ -231,10 +246,19 @@ def test_round_trip_across_implementations_and_ep_sizes(reports):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ep", [1, 2, 4])
-def test_sharded_layout_matches_sequential_mlp(reports, ep):
+def test_round_trip_across_expert_tensor_parallel_sizes(reports):
+    """Stock ETP 2 -> Sonic ETP 2 -> stock ETP 2; Sonic ETP 2 -> ETP 1 (EP 1, EP 4) -> ETP 2 (EP 1) -> stock."""
+    for rep in reports:
+        for key in ("sonic@tp2ep2<-e", "stock@tp2ep2<-f", "sonic@ep1<-f", "sonic@ep4<-f", "sonic@tp2ep1<-g"):
+            assert rep[key] == "ok", key
+        assert rep["stock@tp2ep2<-h"] == "ok"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ep1", "ep2", "ep4", "tp2ep1", "tp2ep2"])
+def test_sharded_layout_matches_sequential_mlp(reports, layout):
     for rank, rep in enumerate(reports):
-        stock, sonic = rep[f"layout@ep{ep}"]
+        stock, sonic = rep[f"layout@{layout}"]
         assert sorted(stock) == sorted(sonic), f"rank {rank}: keys differ"
         expert_keys = [k for k in stock if ".experts." in k]
         assert any(k.endswith("experts.experts.linear_fc1.weight") for k in expert_keys), expert_keys

@@ -1,7 +1,9 @@
 """The 1F1B EP-overlap schedule (fine_grained_callables) runs the MoE layer as separate nodes -- "attn"
 (shared_experts_compute, route, preprocess) -> "moe_dispatch" (dispatch) -> "mlp" (routed_experts_compute,
 then backward_dw) -> "moe_combine" (combine, postprocess) -- with every node's inputs detached and each node's
-backward run separately in reverse order. This replays that on CPU (gloo, EP=1 and 2; delayed wgrad) and
+backward run separately in reverse order. This replays that on CPU (gloo, EP=1 and 2, and expert tensor
+parallelism TP = ETP = 2 with sequence parallelism, whose all-gather and reduce-scatter run in the "attn" and
+"moe_combine" nodes; delayed wgrad) and
 checks outputs and every gradient against the plain forward: the plugin keeps no autograd link across the
 detach points (a link would double-count or miss gradients here). The real schedule's streams and its
 interleaving with another micro-batch's backward are GPU-only (scripts/gpu_megatron.py, step overlap)."""
@@ -65,9 +67,10 @@ def _worker(rank, world, out_dir):
     from sonic_megatron.testing import init_model_parallel
 
     report = {}
-    for ep in (1, 2):
-        init_model_parallel(ep=ep)
-        for name, over in (("plain", {}), ("shared", {"moe_shared_expert_intermediate_size": 40})):
+    for tp, ep in ((1, 1), (1, 2), (2, 1)):
+        init_model_parallel(ep=ep, tp=tp)
+        sp = {"sequence_parallel": True} if tp > 1 else {}
+        for name, over in (("plain", sp), ("shared", {**sp, "moe_shared_expert_intermediate_size": 40})):
             # comm_sms: the experts node's GEMMs leave SMs to the other micro-batch's all-to-all (a no-op on CPU;
             # here it checks the plumbing through local_experts and the deferred weight gradients).
             case = Case(name, over, sonic=SonicConfig(backend="torch", comm_sms=8 if name == "shared" else 0))
@@ -94,7 +97,7 @@ def _worker(rank, world, out_dir):
                     lay.shared_experts.named_parameters(), ref.shared_experts.parameters(), strict=True
                 ):
                     errs[f"shared.{n}"] = (a.grad - b.grad).abs().max()
-            report[f"{name}@ep{ep}"] = {k: float(v) for k, v in errs.items()}
+            report[f"{name}@ep{ep}" if tp == 1 else f"{name}@tp{tp}ep{ep}"] = {k: float(v) for k, v in errs.items()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
 
@@ -106,7 +109,7 @@ def test_layer_as_overlap_schedule_nodes(tmp_path):
     spawn(_worker, 2, str(tmp_path), timeout=300)
     for r in range(2):
         rep = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert set(rep) == {"plain@ep1", "shared@ep1", "plain@ep2", "shared@ep2"}
+        assert set(rep) == {f"{n}@{p}" for n in ("plain", "shared") for p in ("ep1", "ep2", "tp2ep1")}
         for key, errs in rep.items():
             bad = {k: v for k, v in errs.items() if v > 1e-12}
             assert not bad, f"rank {r} {key}: {bad}"

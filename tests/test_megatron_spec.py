@@ -122,7 +122,7 @@ def _cfg(**kw):
     [
         (dict(add_bias_linear=True), "add_bias_linear"),
         (dict(moe_apply_probs_on_input=True), "moe_apply_probs_on_input"),
-        (dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size"),
+        (dict(expert_tensor_parallel_size=5, moe_ffn_hidden_size=48), "expert_tensor_parallel_size=5"),
         (dict(moe_pad_expert_input_to_capacity=True), "moe_pad_expert_input_to_capacity"),  # without a capacity
         (dict(moe_router_padding_for_quantization=True), "moe_router_padding_for_quantization"),
         (dict(fp8="hybrid"), "fp8"),

@@ -171,15 +171,19 @@ def test_experts_not_divisible_by_ep_fail_when_the_layer_is_built():
         build_module(sonic_local_layer_spec.submodules.mlp, config=config)
 
 
-def test_tensor_parallelism_without_an_expert_tensor_parallel_size_names_the_flag_to_pass():
-    """Megatron takes the expert tensor-parallel size from --tensor-model-parallel-size when it is not given: the
-    error tells a user with tensor parallelism which flag to add."""
+def test_expert_ffn_not_divisible_by_the_expert_tensor_parallel_size_fails_naming_both():
+    """Expert tensor parallelism splits every expert's ffn dimension evenly. Megatron takes the expert
+    tensor-parallel size from --tensor-model-parallel-size when it is not given: the error names that default."""
     from sonic_megatron.config import validate_megatron_config
     from sonic_megatron.testing import moe_config
 
-    config = moe_config()
+    config = moe_config()  # moe_ffn_hidden_size 48
     config.tensor_model_parallel_size, config.expert_tensor_parallel_size = 2, None
-    with pytest.raises(ValueError, match=r"expert_tensor_parallel_size=2.*--expert-tensor-parallel-size 1"):
+    assert validate_megatron_config(config, SonicConfig()) == "swiglu"  # 24 per rank
+    config.tensor_model_parallel_size = 5
+    with pytest.raises(
+        ValueError, match=r"moe_ffn_hidden_size=48 .*expert_tensor_parallel_size=5 .*--tensor-model-parallel-size"
+    ):
         validate_megatron_config(config, SonicConfig())
 
 
