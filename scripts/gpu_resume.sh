@@ -23,29 +23,36 @@ trainer() {  # log name, then trainer arguments
 trainer full1 --param-checksum --json "$out/full1.json"
 trainer full2 --param-checksum --json "$out/full2.json"
 trainer crash --save "$ckpt" --save-interval 2 --kill-after-iteration "$kill_after"
+ls "$ckpt" > "$out/ckpt_listing.txt" 2>&1
 trainer resumed --param-checksum --load "$ckpt" --json "$out/resumed.json"
-python3 - "$out" "$steps" <<'EOF'
+python3 - "$out" "$steps" "$kill_after" <<'EOF'
 import json, sys
 from pathlib import Path
 
-out, steps = Path(sys.argv[1]), int(sys.argv[2])
+out, steps, kill_after = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+resume_at = kill_after // 2 * 2  # the crash run's last checkpoint
 runs = {n: json.loads((out / f"{n}.json").read_text()) for n in ("full1", "full2", "resumed") if (out / f"{n}.json").exists()}
 if set(runs) != {"full1", "full2", "resumed"}:
     summary = {"ok": False, "why": f"runs missing: have {sorted(runs)}"}
 else:
     full, again, res = (runs[n]["losses"] for n in ("full1", "full2", "resumed"))
-    tail = full[steps - len(res):]  # the resumed run logs the iterations after its checkpoint
+    start = runs["resumed"].get("start_iteration", 0)
+    tail = full[start:]  # the resumed run logs the iterations after its checkpoint
     noise = max((abs(a - b) for a, b in zip(full, again)), default=0.0)
     diff = max((abs(a - b) for a, b in zip(tail, res)), default=0.0)
     same_params = runs["resumed"].get("param_checksum") == runs["full1"].get("param_checksum")
     summary = {
+        "resumed_from_iteration": start,
+        "expected_resume_iteration": resume_at,
         "resumed_iterations": len(res),
         "max_loss_diff_resumed_vs_full": diff,
         "max_loss_diff_full_vs_full": noise,
         "bitwise_losses": diff == 0.0,
         "bitwise_params": same_params,
         "uninterrupted_runs_bitwise": noise == 0.0 and runs["full1"].get("param_checksum") == runs["full2"].get("param_checksum"),
-        "ok": len(res) > 0 and (diff <= noise if noise > 0 else diff == 0.0 and same_params),
+        # the resumed run must have loaded the crash run's checkpoint (from scratch it would equal trivially)
+        "ok": start == resume_at > 0 and len(res) == steps - start
+        and (diff <= noise if noise > 0 else diff == 0.0 and same_params),
     }
 (out / "resume_summary.json").write_text(json.dumps(summary, indent=2))
 print(json.dumps(summary))
