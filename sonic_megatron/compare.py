@@ -140,20 +140,31 @@ def compare_case(case: Case, device: torch.device, seed: int) -> dict:
     return result
 
 
-def compare_cases(cases: list[Case], ep_sizes: tuple[int, ...], device: torch.device, seed: int, tp: int = 1) -> dict:
+def case_key(name: str, ep: int, tp: int = 1, etp: int | None = None) -> str:
+    """A result's key: ``<name>@ep<ep>``, ``<name>@tp<tp>ep<ep>`` with tensor parallelism (the expert
+    tensor-parallel size following it), ``<name>@tp<tp>etp<etp>ep<ep>`` where the ETP size differs from ``tp``."""
+    etp = tp if etp is None else etp
+    if etp != tp:
+        return f"{name}@tp{tp}etp{etp}ep{ep}"
+    return f"{name}@ep{ep}" if tp == 1 else f"{name}@tp{tp}ep{ep}"
+
+
+def compare_cases(
+    cases: list[Case], ep_sizes: tuple[int, ...], device: torch.device, seed: int, tp: int = 1, etp: int | None = None
+) -> dict:
     """``compare_case`` for every case at every expert-parallel size (Megatron's parallel state set per size, with
-    tensor-parallel size ``tp``, which the expert tensor-parallel size follows) on this rank:
-    ``{"<case>@ep<size>": {"failures": [...], "errors": ...}}`` (``@tp<tp>ep<size>`` where ``tp`` > 1), ready for
-    JSON. A case that raises is reported with its traceback and the others still run."""
+    tensor-parallel size ``tp`` and expert tensor-parallel size ``etp``, default ``tp``) on this rank:
+    ``{case_key(...): {"failures": [...], "errors": ...}}``, ready for JSON. A case that raises is reported with its
+    traceback and the others still run."""
     import traceback
 
     from .testing import init_model_parallel
 
     results = {}
     for ep in ep_sizes:
-        init_model_parallel(ep=ep, tp=tp)
+        init_model_parallel(ep=ep, tp=tp, etp=etp)
         for case in cases:
-            key = f"{case.name}@ep{ep}" if tp == 1 else f"{case.name}@tp{tp}ep{ep}"
+            key = case_key(case.name, ep, tp, etp)
             try:
                 res = compare_case(case, device, seed=seed)
                 results[key] = {"failures": passes(res, case.dtype), "errors": _json_ready(res)}

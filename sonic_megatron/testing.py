@@ -39,12 +39,16 @@ def init_distributed(rank: int, world_size: int, port: int | None = None, local_
     return torch.device("cpu")
 
 
-def init_model_parallel(ep: int = 1, tp: int = 1, seed: int = 1234) -> None:
-    """Megatron's parallel_state with expert parallelism ``ep`` (and model-parallel RNG on GPUs)."""
+def init_model_parallel(ep: int = 1, tp: int = 1, seed: int = 1234, etp: int | None = None) -> None:
+    """Megatron's parallel_state with expert parallelism ``ep``, tensor parallelism ``tp`` and expert tensor
+    parallelism ``etp`` (default ``tp``, as Megatron's; ``tp=1, etp=2`` is its "MoE parallel folding": attention
+    data-parallel, every expert split over two ranks), and model-parallel RNG on GPUs."""
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+    )
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -123,6 +127,7 @@ def moe_config(**overrides):
     if parallel_state.model_parallel_is_initialized():
         kw["expert_model_parallel_size"] = parallel_state.get_expert_model_parallel_world_size()
         kw["tensor_model_parallel_size"] = parallel_state.get_tensor_model_parallel_world_size()
+        kw["expert_tensor_parallel_size"] = parallel_state.get_expert_tensor_parallel_world_size()
     kw.update(overrides)
     return TransformerConfig(**kw)
 

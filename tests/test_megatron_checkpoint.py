@@ -6,9 +6,10 @@ dist_checkpointing.load does, so that this test sees every shard; the real check
 (dist_checkpointing.save/load, torch_dist) are tested in test_megatron_checkpoint_files.py. Chains (``CHAIN``):
 stock EP=4 -> Sonic EP=2 -> Sonic EP=1 -> stock EP=4 and stock EP=2; with expert tensor parallelism (TP = ETP =
 2) stock -> Sonic -> stock at ETP 2, Sonic ETP 2 -> ETP 1 at EP 1 and EP 4, and back to ETP 2 at EP 1 -> stock;
-the values compared against the global weights after every load. And the Sonic sharded state dict has exactly
-SequentialMLP's keys, global shapes, per-expert and per-ETP-rank offsets and replica ids, at EP 1, 2, 4 and at
-ETP 2 with EP 1 and 2."""
+with ETP 2 at TP 1 (Megatron's "MoE parallel folding") Sonic TP 1 ETP 2 EP 2 <- stock TP = ETP = 2, and stock
+TP 1 ETP 2 EP 1 <- it; the values compared against the global weights after every load. And the Sonic sharded
+state dict has exactly SequentialMLP's keys, global shapes, per-expert and per-ETP-rank offsets and replica ids,
+at EP 1, 2, 4, at TP = ETP = 2 and at TP 1 ETP 2, each with EP 1 and 2."""
 
 from __future__ import annotations
 
@@ -18,24 +19,29 @@ import os
 import pytest
 import torch
 
+from sonic_megatron.compare import case_key
 from sonic_megatron.testing import etp_shard, local_moe_weights
 
 E, H, F = 8, 32, 48
-# (layer, EP, TP = ETP, checkpoint it writes, checkpoint it reads): a hop that reads none sets the global weights
+# (layer, EP, TP, ETP, checkpoint it writes, checkpoint it reads): a hop that reads none sets the global weights
 CHAIN = (
-    ("stock", 4, 1, "a", None),
-    ("sonic", 2, 1, "b", "a"),
-    ("sonic", 1, 1, "c", "b"),
-    ("stock", 4, 1, None, "c"),
-    ("stock", 2, 1, None, "b"),
-    ("stock", 2, 2, "e", None),
-    ("sonic", 2, 2, "f", "e"),
-    ("stock", 2, 2, None, "f"),
-    ("sonic", 1, 1, None, "f"),
-    ("sonic", 4, 1, "g", "f"),
-    ("sonic", 1, 2, "h", "g"),
-    ("stock", 2, 2, None, "h"),
+    ("stock", 4, 1, 1, "a", None),
+    ("sonic", 2, 1, 1, "b", "a"),
+    ("sonic", 1, 1, 1, "c", "b"),
+    ("stock", 4, 1, 1, None, "c"),
+    ("stock", 2, 1, 1, None, "b"),
+    ("stock", 2, 2, 2, "e", None),
+    ("sonic", 2, 2, 2, "f", "e"),
+    ("stock", 2, 2, 2, None, "f"),
+    ("sonic", 1, 1, 1, None, "f"),
+    ("sonic", 4, 1, 1, "g", "f"),
+    ("sonic", 1, 2, 2, "h", "g"),
+    ("stock", 2, 2, 2, None, "h"),
+    ("sonic", 2, 1, 2, "i", "e"),
+    ("stock", 1, 1, 2, None, "i"),
 )
+# (TP, ETP, EP) of the sharded-layout comparison
+LAYOUTS = ((1, 1, 1), (1, 1, 2), (1, 1, 4), (2, 2, 1), (2, 2, 2), (1, 2, 1), (1, 2, 2))
 
 
 def _global_weights():
@@ -201,8 +207,8 @@ def _load(layer, store):
     assert not [k for k in missing if "_extra_state" not in k], missing
 
 
-def _hop_key(kind, ep, tp, src):
-    return f"{kind}@ep{ep}<-{src}" if tp == 1 else f"{kind}@tp{tp}ep{ep}<-{src}"
+def _hop_key(kind, ep, tp, etp, src):
+    return f"{case_key(kind, ep, tp, etp)}<-{src}"
 
 
 def _worker(rank, world, tmp):
@@ -210,21 +216,20 @@ def _worker(rank, world, tmp):
 
     report = {}
     stores = {}
-    for kind, ep, tp, dst, src in CHAIN:
-        init_model_parallel(ep=ep, tp=tp)
+    for kind, ep, tp, etp, dst, src in CHAIN:
+        init_model_parallel(ep=ep, tp=tp, etp=etp)
         layer = _layers(kind)
         if src is None:
             _set_global(layer)
         else:
             _load(layer, stores[src])
-            _check_global(layer, f"{kind} EP={ep} ETP={tp} from checkpoint {src}")
-            report[_hop_key(kind, ep, tp, src)] = "ok"
+            _check_global(layer, f"{kind} EP={ep} TP={tp} ETP={etp} from checkpoint {src}")
+            report[_hop_key(kind, ep, tp, etp, src)] = "ok"
         if dst is not None:
             _save(layer, stores.setdefault(dst, {}))
-    for tp, ep in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2)):
-        init_model_parallel(ep=ep, tp=tp)
-        key = f"layout@ep{ep}" if tp == 1 else f"layout@tp{tp}ep{ep}"
-        report[key] = [_sharded_layout(_layers("stock")), _sharded_layout(_layers("sonic"))]
+    for tp, etp, ep in LAYOUTS:
+        init_model_parallel(ep=ep, tp=tp, etp=etp)
+        report[case_key("layout", ep, tp, etp)] = [_sharded_layout(_layers("stock")), _sharded_layout(_layers("sonic"))]
     with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
 
@@ -255,7 +260,15 @@ def test_round_trip_across_expert_tensor_parallel_sizes(reports):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ep1", "ep2", "ep4", "tp2ep1", "tp2ep2"])
+def test_round_trip_with_expert_tensor_parallel_2_at_tensor_parallel_1(reports):
+    """Stock TP = ETP = 2 -> Sonic TP 1 ETP 2 (EP 2) -> stock TP 1 ETP 2 (EP 1)."""
+    for rep in reports:
+        for key in ("sonic@tp1etp2ep2<-e", "stock@tp1etp2ep1<-i"):
+            assert rep[key] == "ok", key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ep1", "ep2", "ep4", "tp2ep1", "tp2ep2", "tp1etp2ep1", "tp1etp2ep2"])
 def test_sharded_layout_matches_sequential_mlp(reports, layout):
     for rank, rep in enumerate(reports):
         stock, sonic = rep[f"layout@{layout}"]
