@@ -17,7 +17,8 @@ receiver turns them into routing metadata over its L local experts whose "tokens
      every rank: ranks that disagree on E, the tile or whether to round at all break that collective before the
      header can report it;
   3. send side (``send_side.py``), on the device before the sync, sized by R (the padded size with rounding:
-     padding pairs have no destination and count nothing) and sliced after it;
+     padding pairs have no destination and count nothing) and sliced after it; for top-K routing on CUDA its
+     kernels also write the counts and the index checks straight into the exchange vector of step 4;
   4. sizes (``sizes.py``): ONE all-gather of header + per (chunk, destination) counts and its copy to the host
      are launched (``start_plan`` ends here: nothing has waited yet); the caller may queue other work while it
      travels (Megatron's method split: whatever its schedule runs between dispatch_preprocess and

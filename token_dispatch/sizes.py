@@ -91,7 +91,10 @@ def exchange_outputs(exchange: torch.Tensor, world_size: int, num_chunks: int):
     from .triton_send import SendOutputs
 
     H, NP, base = V.HEADER_LEN, num_chunks * world_size, pair_base(world_size)
-    return SendOutputs(exchange[H : H + NP], exchange[H + base : H + base + NP], exchange[10:12], exchange[19:20])
+    lo, dup = V.MIN_EXPERT_FIELD, V.DUPLICATE_FIELD
+    return SendOutputs(
+        exchange[H : H + NP], exchange[H + base : H + base + NP], exchange[lo : lo + 2], exchange[dup : dup + 1]
+    )
 
 
 def receive_header_and_counts(

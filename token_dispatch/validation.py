@@ -35,6 +35,7 @@ from .comm import all_gather_strings
 
 HEADER_LEN = 21
 _INDEX_STAT_FIELDS = (10, 11, 12, 19)  # where ``index_stats``' values go
+MIN_EXPERT_FIELD, DUPLICATE_FIELD = 10, 19  # min expert (max at + 1), a row naming an expert twice
 _KEY_SHIFT = 32  # field 19's key: token << 32 | expert (indices < 2^31: int32 or in-range int64)
 _NO_KEY = torch.iinfo(torch.int64).max
 MAX_CHUNKS = 16  # num_chunks limit: the counts exchange has a fixed size (see plan.py)
