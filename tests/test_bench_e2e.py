@@ -19,6 +19,7 @@ import textwrap
 import pytest
 import torch
 
+from sonic_megatron import cli
 from sonic_megatron.bench import e2e, e2e_compare, e2e_launch, megatron_lm
 from sonic_megatron.bench.e2e_log import (
     failure_excerpt,
@@ -297,6 +298,39 @@ def _dry_run_commands(printed: str) -> dict[str, list[str]]:
     return out
 
 
+def test_dry_run_without_gpus_takes_nproc_from_ep():
+    """A dry run on a machine without GPUs: --nproc defaults to --ep; a GPU count or --nproc wins over it."""
+    assert e2e.validate(_args(dry_run=True), gpu_count=0)[2] == 1
+    assert e2e.validate(_args(dry_run=True, ep=4), gpu_count=0)[2] == 4
+    assert e2e.validate(_args(dry_run=True, ep=2), gpu_count=4)[2] == 4
+    assert e2e.validate(_args(dry_run=True, nproc=2), gpu_count=0)[2] == 2
+    with pytest.raises(ValueError, match="--ep: must divide"):
+        e2e.validate(_args(dry_run=True, ep=3), gpu_count=0)
+
+
+def test_readme_dry_run_example_runs_anywhere(tmp_path, monkeypatch, capsys):
+    """The README's bench e2e --dry-run line, its arguments through the command line's entry point (``python -m
+    sonic_megatron`` runs ``cli.main``), from a folder without Megatron-LM's files and, here, without GPUs: every
+    default provider's command with the launcher path it would use, a note that the launcher is missing, nothing
+    written."""
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
+        lines = [line.split("#")[0].strip() for line in f if "bench e2e" in line and "--dry-run" in line]
+    assert len(lines) == 1, lines
+    words = shlex.split(lines[0])
+    assert words[:3] == ["python", "-m", "sonic_megatron"]
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(words[3:]) == 0
+    printed = capsys.readouterr()
+    commands = _dry_run_commands(printed.out)
+    assert sorted(commands) == sorted(e2e.DEFAULT_PROVIDERS.split(","))
+    launcher = os.path.join(os.getcwd(), ".mlm", "pretrain_gpt.py")
+    nproc = str(torch.cuda.device_count()) if torch.cuda.is_available() else "1"
+    for cmd in commands.values():
+        assert launcher in cmd and _flag(cmd, "--nproc-per-node") == nproc
+    assert f"note: --megatron-lm: {launcher} does not exist" in printed.err
+    assert os.listdir(tmp_path) == []
+
+
 def test_microbatches_set_the_global_batch(tmp_path, capsys):
     """--microbatches N: global batch = micro-batch x data-parallel size (--nproc) x N, in --print-flags and every
     provider's command; a --global-batch-size in --pretrain-args comes after it (argparse keeps the last)."""
@@ -424,7 +458,7 @@ def test_failing_provider_does_not_stop_the_others(tmp_path, capsys):
         megatron_lm=mlm,
         nproc=1,
         config="small",
-        providers="sonic,grouped,sonic-rounding,sequential",
+        providers="sonic,grouped,sequential",
         iters=6,
         warmup=2,
         timeout=120,
@@ -433,11 +467,11 @@ def test_failing_provider_does_not_stop_the_others(tmp_path, capsys):
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     rows = {r["provider"]: r for r in result["rows"]}
-    assert [r["provider"] for r in result["rows"]] == ["sonic", "grouped", "sonic-rounding", "sequential"]
+    assert [r["provider"] for r in result["rows"]] == ["sonic", "grouped", "sequential"]
     assert rows["grouped"]["status"] == "failed" and rows["grouped"]["returncode"] != 0
     assert any("fake failure of the grouped run" in line for line in rows["grouped"]["log_tail"])
     assert "fake failure of the grouped run" in printed and "torch.distributed.run" in printed
-    for name, ms in (("sonic", 100.5), ("sonic-rounding", 90.5), ("sequential", 150.5)):
+    for name, ms in (("sonic", 100.5), ("sequential", 150.5)):
         row = rows[name]
         assert row["status"] == "ok", (name, row.get("log_tail"))
         assert row["iterations_timed"] == 4 and row["ms_per_iter_median"] == ms
@@ -570,7 +604,8 @@ def test_timeout_stops_the_run(tmp_path):
     log = tmp_path / "run.log"
     lines = []
     script = "import time; print('started', flush=True); time.sleep(60)"
-    rc, timed_out = e2e_launch.run_logged([sys.executable, "-c", script], dict(os.environ), str(log), 2.0, lines.append)
+    # the limit leaves a loaded machine the time to start Python and print; the script sleeps far longer
+    rc, timed_out = e2e_launch.run_logged([sys.executable, "-c", script], dict(os.environ), str(log), 5.0, lines.append)
     assert timed_out and rc != 0 and lines == ["started\n"] and log.read_text() == "started\n"
 
 

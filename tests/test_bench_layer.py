@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+
 import pytest
 import torch
-from _dist import run_distributed
+from _dist import part, part_results, run_distributed
 from sonic_megatron.token_dispatch import comm, exchange
 
 from sonic_megatron.bench import layer as B
@@ -50,8 +54,8 @@ def _no_a2a_worker(rank, world_size):
     return skipped, exchange.all_to_all is comm.all_to_all
 
 
-def test_no_layer_a2a_skips_the_layer_exchanges_and_restores_them():
-    for skipped, restored in run_distributed(_no_a2a_worker, 2):
+def test_no_layer_a2a_skips_the_layer_exchanges_and_restores_them(ep_runs):
+    for skipped, restored in part_results(ep_runs[1], "no_a2a"):
         assert skipped and restored
 
 
@@ -91,12 +95,33 @@ def _bench_layer_worker(
     return True
 
 
-def test_bench_layer_on_cpu_times_every_variant_interleaved(tmp_path):
-    import json
+BASELINE_ARGS = ("--chunks", "1", "--dtype", "fp32")
 
-    path = str(tmp_path / "layer.json")
-    assert all(run_distributed(_bench_layer_worker, 2, path, timeout=240))
-    with open(path) as f:
+
+def _ep_worker(rank, world_size, folder, with_megatron):
+    """Every two-rank part of this file in one set of processes (each rank's start-up costs more than a part):
+    the layer without its all-to-alls, bench layer's variants, and last its Megatron baseline."""
+    out = {
+        "no_a2a": part(_no_a2a_worker, rank, world_size),
+        "variants": part(_bench_layer_worker, rank, world_size, os.path.join(folder, "layer.json")),
+    }
+    if with_megatron:
+        baseline = os.path.join(folder, "baseline.json")
+        out["baseline"] = part(_bench_layer_worker, rank, world_size, baseline, BASELINE_ARGS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ep_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bench_layer")
+    with_megatron = importlib.util.find_spec("megatron") is not None
+    return folder, run_distributed(_ep_worker, 2, str(folder), with_megatron, timeout=600)
+
+
+def test_bench_layer_on_cpu_times_every_variant_interleaved(ep_runs):
+    folder, runs = ep_runs
+    assert all(part_results(runs, "variants"))
+    with open(folder / "layer.json") as f:
         result = json.load(f)
     rows = result["rows"]
     assert result["timing"].startswith("interleaved: 3 rounds")
@@ -112,15 +137,13 @@ def test_bench_layer_on_cpu_times_every_variant_interleaved(tmp_path):
             assert r["bitwise_vs_first"] or chunks != 1
 
 
-def test_bench_layer_on_cpu_with_the_megatron_baseline(tmp_path):
+def test_bench_layer_on_cpu_with_the_megatron_baseline(ep_runs):
     """The baseline (Megatron's alltoall dispatcher + grouped_mm experts) runs on CPU/gloo under
     megatron_compat's CPU patches and agrees with ours."""
-    import json
-
     pytest.importorskip("megatron.core")
-    path = str(tmp_path / "layer.json")
-    assert all(run_distributed(_bench_layer_worker, 2, path, ("--chunks", "1", "--dtype", "fp32"), timeout=240))
-    with open(path) as f:
+    folder, runs = ep_runs
+    assert all(part_results(runs, "baseline"))
+    with open(folder / "baseline.json") as f:
         result = json.load(f)
     assert result["baseline_error"] is None
     (mg,) = [r for r in result["rows"] if r["provider"] == "megatron"]

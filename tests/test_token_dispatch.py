@@ -10,14 +10,13 @@ an all-to-all or kernel that leaves rows unwritten fails the comparison.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import zlib
 
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_distributed
+from _dist import part, part_results, poison_uninitialized_memory, run_distributed_once
 from sonic_megatron.kernels import FlatRouting, RoutingMetadata, TopKRouting, moe_experts, moe_experts_reference
 from sonic_megatron.token_dispatch import (
     DeferredWeightGrad,
@@ -38,8 +37,7 @@ D, F, K = 16, 8, 3
 
 
 def _poison() -> None:
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
+    poison_uninitialized_memory()
 
 
 def global_case(kind: str, P: int, seed: int = 0, dtype=torch.float64, E: int = 8):
@@ -205,9 +203,28 @@ def _equivalence_worker(rank, P):
     return res
 
 
-@functools.cache
+def _ep_worker(rank, P):
+    """Every multi-rank part of this file at P ranks in one set of processes: the host-order counts first, before
+    the other parts turn on deterministic mode (its fills of new memory would be counted as launches)."""
+    out = {}
+    if P == 2:
+        out["host_order"] = {N: part(_host_order_worker, rank, P, N) for N in (1, 2)}
+        out["reservation"] = part(_autograd_reservation_worker, rank, P)
+    out["equivalence"] = part(_equivalence_worker, rank, P)
+    out["bytes"] = part(_bytes_worker, rank, P)
+    return out
+
+
+def _ep_runs(P: int):
+    return run_distributed_once(_ep_worker, P, timeout=600)
+
+
+def _results(P: int, *keys) -> list:
+    return part_results(_ep_runs(P), *keys)
+
+
 def _equivalence(P: int):
-    return run_distributed(_equivalence_worker, P, timeout=240)
+    return _results(P, "equivalence")
 
 
 F64_CASES = (
@@ -340,7 +357,7 @@ def _check_combine_order(r) -> None:
 
 @pytest.mark.parametrize("P", [2, 4])
 def test_dedup_byte_accounting(P):
-    res = run_distributed(_bytes_worker, P)
+    res = _results(P, "bytes")
     total_sent = 0
     for rank, r in enumerate(res):
         assert r["send_rows"] == r["distinct"], f"rank {rank}: a token must cross to a rank once"
@@ -453,7 +470,7 @@ def _host_order_worker(rank, P, N):
 def test_forward_host_order(N):
     """Issue #4: after the plan's one host sync the forward launches the pair all-to-alls and (after the one X
     gather) the row all-to-alls before anything else; scores need no all-to-all of their own."""
-    for summary, kinds in run_distributed(_host_order_worker, 2, N):
+    for summary, kinds in _results(2, "host_order", N):
         assert summary["launches_sync_to_row_a2a"] <= 1, summary
         first_sync = kinds.index("sync")
         # all-gather (header + counts), sync, N pair all-to-alls, N row all-to-alls, then N row all-to-alls back
@@ -608,7 +625,7 @@ def test_expert_parallel_experts_reserves_sms_where_a_collective_is_in_flight():
     """With comm_sms = n every GEMM of a forward / backward-data call leaves n SMs free only with more than one
     chunk (with one chunk nothing else is in flight then), every GEMM of a weight-gradient call always (the dX / dS
     all-to-alls travel beside it); deferred weight gradients run later, in ``wgrad.compute()``, reserving none."""
-    for logs in run_distributed(_autograd_reservation_worker, 2, timeout=120):
+    for logs in _results(2, "reservation"):
         one = [("forward", (0, None)), ("backward_data", (0, None)), ("backward_weights", (8, None))]
         assert logs[1] == one, logs[1]
         data, deferred = (8, None), (0, None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_distributed
+from _dist import part, part_results, poison_uninitialized_memory, run_distributed_once
 from sonic_megatron.kernels import FlatRouting, TopKRouting, moe_experts
 from sonic_megatron.token_dispatch import TokenRounding, expert_parallel_experts, make_plan, round_routing
 
@@ -130,7 +130,7 @@ EP_CASES = {
 
 
 def _rounding_worker(rank, P):
-    torch.use_deterministic_algorithms(True)
+    poison_uninitialized_memory()
     out = {}
     for name, (kw, rounding) in EP_CASES.items():
         T_r = [9 + 7 * r for r in range(P)]
@@ -170,9 +170,25 @@ def _rounding_worker(rank, P):
     return out
 
 
+def _ep_worker(rank, P):
+    """Every multi-rank part of this file at P ranks in one set of processes: the launch and sync counts first,
+    the rounded EP layer, which turns on deterministic mode, last."""
+    out = {}
+    if P == 2:
+        out["sync_count"] = part(_sync_count_worker, rank, P)
+        out["split_plan"] = part(_split_plan_worker, rank, P)
+        out["duplicates"] = {case: part(_duplicates_worker, rank, P, case) for case in DUPLICATE_CASES}
+    out["rounding"] = part(_rounding_worker, rank, P)
+    return out
+
+
+def _ep_runs(P: int):
+    return run_distributed_once(_ep_worker, P, timeout=600)
+
+
 @pytest.fixture(scope="module", params=[2, 4])
 def ep_rounding(request):
-    return request.param, run_distributed(_rounding_worker, request.param, timeout=180)
+    return request.param, part_results(_ep_runs(request.param), "rounding")
 
 
 @pytest.mark.parametrize("name", list(EP_CASES))
@@ -248,7 +264,7 @@ def test_ep_rounding_plan_has_the_one_host_sync_of_a_plan_without_rounding():
     """At EP = 2 the rounded plan syncs once, as the plan without rounding (it used to sync 4 times: header,
     duplicate flags, ``nonzero`` for the rounded pair count, the counts exchange again): its candidate
     all-gather travels before the header + counts all-gather, device to device."""
-    for res in run_distributed(_sync_count_worker, 2):
+    for res in part_results(_ep_runs(2), "sync_count"):
         (plain, plain_kinds, _), (rounded, kinds, applied) = res["plain"], res["rounded"]
         assert applied
         assert plain["syncs"] == 1 and rounded["syncs"] == plain["syncs"], (plain, rounded)
@@ -294,11 +310,14 @@ def test_split_plan_waits_only_in_finish_and_equals_make_plan():
     """``start_plan`` launches the plan's collectives without a host sync; ``finish_plan`` holds the plan's one
     sync; work queued between the two does not change the plan (with and without rounding, whose padded scores
     ``finish_plan`` cuts to the real pairs)."""
-    for rank, res in enumerate(run_distributed(_split_plan_worker, 2)):
+    for rank, res in enumerate(part_results(_ep_runs(2), "split_plan")):
         for name, r in res.items():
             assert r["started"]["syncs"] == 0 and r["started"]["collectives"] >= 1, (rank, name, r)
             assert r["finished"]["syncs"] == 1, (rank, name, r)
             assert r["same_sizes"] and r["same_tensors"] and r["same_recv"] and r["padded"], (rank, name, r)
+
+
+DUPLICATE_CASES = ("alone", "and_bad_index")
 
 
 def _duplicates_worker(rank, P, case):
@@ -325,11 +344,11 @@ def _duplicates_worker(rank, P, case):
     return msg, lc.summary()["syncs"], bool(plan.recv_scores().isfinite().all())
 
 
-@pytest.mark.parametrize("case", ["alone", "and_bad_index"])
+@pytest.mark.parametrize("case", DUPLICATE_CASES)
 def test_ep_rounding_duplicate_pairs_raise_on_every_rank_in_the_one_sync(case):
     """Duplicate (token, expert) pairs on rank 1 raise EPInputError on every rank naming rank 1, from the plan's
     header check (no sync of their own); rank 0's out-of-range index is reported as such, not as a duplicate."""
-    for rank, (msg, syncs, ok) in enumerate(run_distributed(_duplicates_worker, 2, case)):
+    for rank, (msg, syncs, ok) in enumerate(part_results(_ep_runs(2), "duplicates", case)):
         assert msg is not None, f"rank {rank} did not raise"
         assert "rank(s) [1] must be unique" in msg, (rank, msg)
         assert ("rank 0: routing expert indices" in msg) == (case == "and_bad_index"), (rank, msg)

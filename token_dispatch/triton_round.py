@@ -217,7 +217,10 @@ def _select_kernel(
         bit = tl.full([], 2147483648, tl.uint32)
         while (bit != 0) & ((bit & (hi ^ lo_key)) == 0):
             bit = bit >> 1
-        thr = tl.where(bit == 0, hi, hi & ~(bit | (bit - 1)))  # the common prefix (bit 0: every key is hi)
+        # the common prefix (bit 0: every key is hi); the bits above `bit` by an xor with an unsigned all-ones
+        # constant, not `~`: Triton's interpreter fills `~`'s all-ones operand of an unsigned type with -1, which
+        # some Triton releases reject under numpy 2
+        thr = tl.where(bit == 0, hi, hi & ((bit | (bit - 1)) ^ 0xFFFFFFFF))
         exact = n < 0
         while bit != 0:
             cand = thr | bit

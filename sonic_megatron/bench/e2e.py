@@ -21,6 +21,8 @@ Needs megatron-core >= 0.19 (``megatron.training`` in its wheel), CUDA, and the 
 command is printed before it starts and its whole output goes to a log file next to ``--json``; a provider
 that fails or passes ``--timeout`` is reported with the tail of its log and the others still run. With
 ``--seeds N`` every provider runs at N seeds and each provider's per-seed ratios to the first one are summarised.
+``--dry-run`` prints every provider's command on any machine: without GPUs --nproc defaults to --ep, and the
+launcher path is printed whether or not its files are there yet.
 
 Expert-parallel runs: ``--ep N`` carves the expert-parallel groups out of the data-parallel ranks (no tensor or
 pipeline parallelism here, so every process is a data-parallel rank), ``--microbatches N`` sets the global batch to
@@ -129,7 +131,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--providers", default=DEFAULT_PROVIDERS, help=f"comma-separated, run in order: {', '.join(PROVIDERS)}"
     )
     parser.add_argument("--megatron-lm", default=".mlm", help="directory holding Megatron-LM's pretrain_gpt.py")
-    parser.add_argument("--nproc", type=int, default=None, help="GPUs (processes) per run (default: all GPUs)")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="GPUs (processes) per run (default: all GPUs; a --dry-run where none is visible: --ep)",
+    )
     parser.add_argument(
         "--ep",
         type=int,
@@ -222,12 +229,19 @@ def parse_providers(text: str) -> list[str]:
 
 
 def validate(args: argparse.Namespace, *, gpu_count: int) -> tuple[Shape, list[str], int]:
-    """(shape, providers, nproc) for valid arguments; ValueError naming the flag otherwise."""
+    """(shape, providers, nproc) for valid arguments; ValueError naming the flag otherwise. Without --nproc,
+    nproc is ``gpu_count``; a dry run on a machine without GPUs takes --ep (the fewest processes that hold one
+    expert-parallel group), so that it prints the commands anywhere."""
     if args.config not in CONFIGS:
         raise ValueError(f"--config: unknown config {args.config!r}; allowed: {', '.join(CONFIGS)}")
     shape = CONFIGS[args.config]
     providers = parse_providers(args.providers)
-    nproc = args.nproc if args.nproc is not None else gpu_count
+    if args.nproc is not None:
+        nproc = args.nproc
+    elif gpu_count < 1 and args.dry_run:
+        nproc = max(args.ep, 1)
+    else:
+        nproc = gpu_count
     if nproc < 1:
         raise ValueError(
             f"--nproc: must be >= 1, got {nproc}"
@@ -487,8 +501,9 @@ def _megatron_core_version() -> str | None:
 def run(args: argparse.Namespace) -> int:
     from .common import print_table, write_json
 
+    gpu_count = _gpu_count() if args.nproc is None else 0
     try:
-        shape, providers, nproc = validate(args, gpu_count=_gpu_count() if args.nproc is None else 0)
+        shape, providers, nproc = validate(args, gpu_count=gpu_count)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -520,22 +535,27 @@ def run(args: argparse.Namespace) -> int:
         return 0
     pretrain_gpt = os.path.abspath(os.path.join(args.megatron_lm, "pretrain_gpt.py"))
     if not os.path.isfile(pretrain_gpt):
+        # a dry run prints the commands with the launcher path they would use; a run needs the launcher
         print(
-            f"error: --megatron-lm: {pretrain_gpt} does not exist; copy Megatron-LM's launcher files there with "
-            f"`python -m sonic_megatron.bench.megatron_lm <Megatron-LM checkout> --dest {args.megatron_lm}`",
+            f"{'note' if args.dry_run else 'error'}: --megatron-lm: {pretrain_gpt} does not exist; copy "
+            f"Megatron-LM's launcher files there with `python -m sonic_megatron.bench.megatron_lm <Megatron-LM "
+            f"checkout> --dest {args.megatron_lm}`",
             file=sys.stderr,
         )
-        return 2
-    os.makedirs(log_dir, exist_ok=True)
+        if not args.dry_run:
+            return 2
     if not args.dry_run:
+        os.makedirs(log_dir, exist_ok=True)
         try:
             for path in install_dataset_sources(args.megatron_lm):
                 print(f"installed {path} (pretrain_gpt.py compiles megatron-core's dataset helpers with it)")
         except OSError as exc:  # a read-only install: Megatron's own error follows if the helpers are missing
             print(f"warning: could not install the dataset helper sources: {exc}", file=sys.stderr)
     overlap = f", EP overlap (CUDA_DEVICE_MAX_CONNECTIONS={OVERLAP_DEVICE_MAX_CONNECTIONS})"
+    no_gpu_dry_run = args.dry_run and args.nproc is None and gpu_count < 1
+    gpus = f"{nproc} GPU(s)" + (" (--nproc left out and no GPU visible: --ep's count)" if no_gpu_dry_run else "")
     print(
-        f"bench e2e: config {args.config} {dataclasses.asdict(shape)}, {nproc} GPU(s), EP {args.ep}, global batch "
+        f"bench e2e: config {args.config} {dataclasses.asdict(shape)}, {gpus}, EP {args.ep}, global batch "
         f"{global_batch} ({microbatches} micro-batch(es) per rank), {args.iters} iterations ({args.warmup} warm-up), "
         f"providers {', '.join(providers)}"
         + (f", seeds {seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else "")
