@@ -450,6 +450,13 @@ def _kill_every_rank(iteration: int) -> None:
     print(f"kill-after-iteration {iteration}: SIGKILL to rank {dist.get_rank()} (pid {me[1]})", flush=True)
     sys.stderr.flush()
     dist.barrier()  # every rank has printed its line
+    # This rank's own helper processes first (the checkpoint writer's multiprocessing manager): a dead node takes
+    # them down too, and an orphan would outlive the run (torchrun starts each rank in its own session).
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signal.SIGKILL)
     for host, pid in everyone:
         if host == me[0] and pid != me[1]:
             with contextlib.suppress(ProcessLookupError):

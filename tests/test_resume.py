@@ -70,11 +70,28 @@ def _group_gone(pgid: int, wait_s: float = 15.0) -> bool:
         time.sleep(0.1)
 
 
+def _processes_with(env_entry: str, wait_s: float = 15.0) -> list[int]:
+    """Pids of live processes whose environment holds ``env_entry`` (Linux /proc; none found elsewhere), waiting up
+    to ``wait_s`` for dying ones to go."""
+    deadline, needle = time.monotonic() + wait_s, env_entry.encode() + b"\0"
+    while True:
+        found = []
+        for entry in Path("/proc").glob("[0-9]*"):
+            with contextlib.suppress(OSError):
+                if needle in (entry / "environ").read_bytes() and (entry / "stat").read_text().split()[2] != "Z":
+                    found.append(int(entry.name))
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
 def _torchrun(nproc: int, args: list[str], log: Path) -> tuple[int, str]:
     """One torchrun launch of the trainer in its own session (process group); returns (exit status, output).
     The whole group gets SIGKILL afterwards (on timeout too), and must then be empty."""
+    marker = f"{os.getpid()}-{time.monotonic_ns()}"  # every process of this launch inherits it
     env = {
         **os.environ,
+        "RESUME_TEST_LAUNCH": marker,
         "CUDA_VISIBLE_DEVICES": "",
         "SONIC_MEGATRON_BACKEND": "torch",
         "OMP_NUM_THREADS": "1",  # the same threads in every launch (torchrun sets 1 only for nproc > 1)
@@ -97,6 +114,10 @@ def _torchrun(nproc: int, args: list[str], log: Path) -> tuple[int, str]:
                 proc.wait()
         text = log.read_text(errors="replace")
         assert _group_gone(proc.pid), f"processes of the launch are left over: {cmd}"
+        # torchrun starts every rank in a session of its own, out of reach of the group kill: their children
+        # (the checkpoint writer's multiprocessing manager) must be gone too
+        left = _processes_with(f"RESUME_TEST_LAUNCH={marker}")
+        assert not left, f"processes of the launch outlived it: pids {left}: {cmd}"
         assert rc is not None, f"timed out after {TIMEOUT_S} s: {cmd}\n{text[-4000:]}"
         if rc != 0 and "address already in use" in text.lower() and attempt == 0:
             continue  # the free port was taken by someone else between choosing and binding it: once more
