@@ -457,6 +457,7 @@ def _kill_every_rank(iteration: int) -> None:
     for child in multiprocessing.active_children():
         with contextlib.suppress(ProcessLookupError):
             os.kill(child.pid, signal.SIGKILL)
+    dist.barrier()  # every rank has killed its helpers: no rank dies before it has
     for host, pid in everyone:
         if host == me[0] and pid != me[1]:
             with contextlib.suppress(ProcessLookupError):
