@@ -96,7 +96,6 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     args = parse_args(argv)
-    import torch.distributed as dist
 
     from sonic_megatron.testing import init_distributed, init_model_parallel
 
@@ -125,11 +124,22 @@ def main(argv=None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"args": vars(args), "world": world, "ep": ep, **res}, f, indent=2)
-    # Every rank reaches the teardown with no collective in flight: a gloo peer torn down while another rank's
-    # gloo thread still waits on it ends that process with std::terminate.
-    dist.barrier()
-    dist.destroy_process_group()
+    _teardown()
     return 0
+
+
+def _teardown() -> None:
+    """Leave the process group together: a gloo peer torn down while another rank's gloo thread still waits on it
+    ends that process with std::terminate. The barrier leaves no collective in flight; the rendezvous store then
+    tells every rank that all ranks have returned from it, before any of them closes its connections."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"sonic_megatron_teardown/{rank}", "1")
+    store.wait([f"sonic_megatron_teardown/{r}" for r in range(world)])
+    dist.destroy_process_group()
 
 
 def train(args, device, ep: int) -> dict:
