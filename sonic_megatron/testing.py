@@ -62,29 +62,29 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     warnings.filterwarnings("ignore")  # Megatron's "no TE / no Apex" notices, once per process
     try:
         init_distributed(rank, world_size, port)
-        fn(rank, world_size, *args)
-        queue.put((rank, None))
+        queue.put((rank, None, fn(rank, world_size, *args)))
     except BaseException:  # noqa: BLE001 - reported to the parent verbatim
-        queue.put((rank, traceback.format_exc()))
+        queue.put((rank, traceback.format_exc(), None))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def spawn(fn: Callable, world_size: int, *args, timeout: float = 300.0) -> None:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined in a process group;
-    raise with the failing ranks' tracebacks. ``fn`` must be importable (module level)."""
+def spawn(fn: Callable, world_size: int, *args, timeout: float = 300.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined in a process group; return
+    what each rank's ``fn`` returned (picklable, without tensors: plain data), by rank, or raise with the failing
+    ranks' tracebacks. ``fn`` must be importable (module level)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
-    errors = []
+    errors, results = [], [None] * world_size
     try:
         for _ in range(world_size):
             # After a failure the other ranks are usually stuck in a collective: give them a short grace.
-            rank, err = queue.get(timeout=30 if errors else timeout)
+            rank, err, results[rank] = queue.get(timeout=30 if errors else timeout)
             if err:
                 errors.append(f"rank {rank}:\n{err}")
     except Exception:  # noqa: BLE001 - queue.Empty: ranks that never reported
@@ -96,6 +96,7 @@ def spawn(fn: Callable, world_size: int, *args, timeout: float = 300.0) -> None:
                 p.kill()
     if errors:
         raise RuntimeError("distributed worker failed:\n" + "\n".join(errors))
+    return results
 
 
 def moe_config(**overrides):
