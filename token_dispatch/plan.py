@@ -9,13 +9,14 @@ receiver turns them into routing metadata over its L local experts whose "tokens
 ``make_plan`` reads top to bottom -- the host sync drains the GPU queue, so as little as possible comes after it:
   1. route: check this rank's inputs and the experts backend's rules for them, flatten the routing (an error, or
      any failure of this rank's work before the header, travels in the header: every rank raises together);
-  2. rounding, decided here and nowhere else (``round_routing_padded``), on the device before the sync: one
-     candidate all-gather (device to device) and a padded routing of a host-known size (real pairs first, then
-     padding pairs of token T and expert E); its duplicate-pair flag rides in the header. A rank with bad input
-     still joins the all-gather (with no pairs), and indices the header will report are clamped first: that
-     rounding is discarded when the header check raises. The all-gather's size [E, 3 + 4 * tile] must agree on
-     every rank: ranks that disagree on E, the tile or whether to round at all break that collective before the
-     header can report it;
+  2. rounding, decided here and nowhere else, on the device before the sync: for top-K routing on CUDA in the
+     kernels of ``triton_round_ep.py`` (two small all-gathers), else in PyTorch ops (``round_routing_padded``: one
+     candidate all-gather), both device to device, with the same result: a padded routing of a host-known size
+     (real pairs first, then padding pairs of token T and expert E); its duplicate-pair flag rides in the header.
+     A rank with bad input still joins the all-gathers (with no pairs), and indices the header will report are
+     skipped or clamped: that rounding is discarded when the header check raises. The all-gathers' sizes must
+     agree on every rank: ranks that disagree on E, the tile, the router dtype or whether to round at all break
+     those collectives before the header can report it;
   3. send side (``send_side.py``), on the device before the sync, sized by R (the padded size with rounding:
      padding pairs have no destination and count nothing) and sliced after it; for top-K routing on CUDA its
      kernels also write the counts and the index checks straight into the exchange vector of step 4;
@@ -344,7 +345,7 @@ def _start_plan(inputs: PlanInputs, options: EPOptions, *, options_error: str | 
     rounded = duplicates = None
     if rounding is not None:
         rounded, duplicates = _round_on_device(
-            tok_R, exp_R, scores_R, rounding_scores_TE, T, num_experts, rounding, group, device
+            routing, tok_R, exp_R, scores_R, rounding_scores_TE, T, num_experts, rounding, group, device
         )
         if error is None:
             tok_R, exp_R, scores_R = rounded.token_idx_R, rounded.expert_idx_R, rounded.scores_R
@@ -479,7 +480,27 @@ def finish_plan(started: StartedPlan) -> EPPlan:
     return plan
 
 
+def rounding_kernels(routing, rounding_scores_TE, num_experts, device: torch.device):
+    """``triton_round_ep.round_ep_triton`` where it runs this rounding (CUDA, top-K routing, scores and dense
+    probabilities of at most 32 bits, E >= 1, Triton importable), else None (``round_routing_padded``). The choice
+    must be the same on every rank (both paths run collectives): it reads only what ranks share -- the device
+    type, the routing's type, the router's dtypes and E; a rank whose own routing is malformed takes the path its
+    peers take."""
+    if device.type != "cuda" or not isinstance(routing, TopKRouting) or not isinstance(num_experts, int):
+        return None
+    if num_experts < 1 or any(
+        isinstance(t, torch.Tensor) and t.dtype == torch.float64 for t in (routing.scores_TK, rounding_scores_TE)
+    ):
+        return None
+    try:
+        from .triton_round_ep import round_ep_triton
+    except ImportError:  # no Triton: PyTorch's ops (same results)
+        return None
+    return round_ep_triton
+
+
 def _round_on_device(
+    routing,
     tok_R: torch.Tensor | None,
     exp_R: torch.Tensor | None,
     scores_R: torch.Tensor | None,
@@ -490,12 +511,23 @@ def _round_on_device(
     group,
     device: torch.device,
 ) -> tuple[RoundingResult, torch.Tensor]:
-    """Step 2: (the padded rounding of this rank's pairs, its 0-d duplicate-pair flag) with no host sync.
+    """Step 2: (the padded rounding of this rank's pairs, its 0-d duplicate-pair flag) with no host sync: in the
+    kernels for top-K routing on CUDA (``rounding_kernels``), else in PyTorch ops (``round_routing_padded``).
 
     It runs before the header check, so it must neither hang nor fault on bad input: a rank whose local check
-    failed (``tok_R`` None) joins the candidate all-gather with no pairs and no tokens, and indices the header
-    will report as out of range are clamped into range (a device gather must not fault). Either way the header
+    failed (``tok_R`` None) joins the collectives with no pairs and no tokens, and indices the header will report
+    as out of range are clamped into range for the PyTorch ops (the kernels skip them). Either way the header
     check then raises on every rank and the result is never used."""
+    kernels = rounding_kernels(routing, rounding_scores_TE, num_experts, device)
+    if kernels is not None:
+        if tok_R is None:  # a bad rank: no tokens
+            empty = torch.zeros((0, 1), dtype=torch.int64, device=device)
+            routing = TopKRouting(empty.float(), empty)
+            rounding_scores_TE = torch.zeros((0, num_experts), device=device)
+        rounded, duplicates_P = kernels(
+            routing, rounding_scores_TE, num_experts=num_experts, mode=rounding.mode, tile=rounding.tile, group=group
+        )
+        return rounded, duplicates_P[group_rank(group)]
     E = num_experts if isinstance(num_experts, int) and num_experts > 0 else 0
     if tok_R is None:  # a bad rank: no pairs, no tokens
         tok_R = exp_R = torch.zeros(0, dtype=torch.int64, device=device)

@@ -26,6 +26,9 @@ expert's rows come from all P source ranks, so the decision must be global:
 Drops are ranked by the pair's routing score (e.g. the renormalised top-K prob), additions by the dense
 router probability, as in SonicMoE's TC-first score matrix. Routed (token, expert) pairs must be unique.
 
+For top-K routing on CUDA the plan takes the same decision in Triton kernels (``triton_round_ep.py``: the kernels of
+rounding without expert parallelism, cut by the group's candidates), bitwise equal to ``round_routing_padded``.
+
 Without expert parallelism (``round_local``) the same decision runs on the device with no host sync: one
 per-expert top-n selection over int32 keys cuts every expert (on CUDA in four Triton launches and a scan,
 ``triton_round.py``), and the result is a padded ``FlatRouting`` whose size is an upper bound known on the host

@@ -69,30 +69,46 @@ def _keys_kernel(
     key_ptr,
     routed_ptr,
     offsets_ptr,
+    counts_ptr,
     T,
     E,
     K: tl.constexpr,
     BT: tl.constexpr,
     BE: tl.constexpr,
+    COUNT: tl.constexpr,
 ):
     # Tiles are [experts, tokens], tokens fastest: the order of the [E, T] stores (the dense load is the
     # transposed read). The first expert block also starts the token offsets in the scan buffer: 0, then K pairs
-    # per token (the cut adds or takes one per pair it changes).
+    # per token (the cut adds or takes one per pair it changes). COUNT (expert parallelism): each expert's routed
+    # count is added into counts [E], and the routed (token, expert) pairs less the pairs naming an expert in range
+    # into counts[E + 1] (nonzero: a token names an expert twice); integer atomics.
     t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     e = tl.program_id(1) * BE + tl.arange(0, BE)
     t_ok = t < T
     ok = (e < E)[:, None] & t_ok[None, :]
     key = _ordered(tl.load(dense_ptr + t[None, :] * E + e[:, None], mask=ok, other=0.0))
     slot = tl.zeros([BE, BT], dtype=tl.int32)  # 1 + the pair's top-K slot; 0: not routed
+    in_range = tl.zeros([BT], dtype=tl.int32)  # the token's pairs naming an expert in [0, E)
     for k in tl.static_range(K):
         ek = tl.load(idx_ptr + t * K + k, mask=t_ok, other=-1)
+        in_range += ((ek >= 0) & (ek < E)).to(tl.int32)
         sk = _ordered(tl.load(scores_ptr + t * K + k, mask=t_ok, other=0.0))
         hit = ek[None, :] == e[:, None]
         slot = tl.where(hit, k + 1, slot)
         key = tl.where(hit, ~sk[None, :], key)
     tl.store(key_ptr + e[:, None].to(tl.int64) * T + t[None, :], key, mask=ok)
     tl.store(routed_ptr + e[:, None].to(tl.int64) * T + t[None, :], slot.to(tl.int8), mask=ok)
-    if tl.program_id(1) == 0:
+    if COUNT:
+        per_expert = tl.sum((slot > 0).to(tl.int64), axis=1)
+        tl.atomic_add(counts_ptr + e, per_expert, mask=e < E, sem="relaxed")
+        routed = tl.sum(per_expert, axis=0)
+        if tl.program_id(1) == 0:  # the pairs naming an expert in range, once per token
+            routed -= tl.sum(in_range.to(tl.int64), axis=0)
+        tl.atomic_add(counts_ptr + E + 1, routed, sem="relaxed")
+        # each token's pairs as flagged (the scan starts zeroed): bad indices, which the plan's header reports,
+        # then leave no pair unplaced
+        tl.atomic_add(offsets_ptr + 1 + t, tl.sum((slot > 0).to(tl.int32), axis=0), mask=t_ok, sem="relaxed")
+    elif tl.program_id(1) == 0:
         tl.store(offsets_ptr + 1 + t, tl.zeros([BT], dtype=tl.int32) + K, mask=t_ok)
         if tl.program_id(0) == 0:
             tl.store(offsets_ptr, 0)
@@ -161,6 +177,109 @@ def _block_prefixes(live, s0, carry, prefix_ptr, NB, SB: tl.constexpr, PB: tl.co
 
 
 @triton.jit
+def _target(
+    f,
+    total,
+    UP_PAST_HALF_TILES: tl.constexpr,
+    TIES_TO_EVEN: tl.constexpr,
+    KEEP_ONE_TILE: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """The mode's target for an expert's routed count f (``rounding.TargetRule``, whose constants these are); a
+    target above the ``total`` tokens available falls back to the multiple below."""
+    lo = (f // TILE) * TILE
+    twice_r = 2 * (f - lo)
+    up = twice_r > UP_PAST_HALF_TILES * TILE
+    if TIES_TO_EVEN:
+        up = up | ((twice_r == UP_PAST_HALF_TILES * TILE) & ((lo // TILE) % 2 == 1))
+    if KEEP_ONE_TILE:
+        up = up | ((lo == 0) & (f > 0))
+    target = tl.where(up, lo + TILE, lo)
+    return tl.where(target > total, lo, target)
+
+
+@triton.jit
+def _search_cut(
+    row_key, row_routed, want, n, T, T_BITS: tl.constexpr, BT: tl.constexpr, IN_REGS: tl.constexpr, SB: tl.constexpr
+):
+    """(thr, cut): the n largest keys (0 < n <= the side's size) of the row's side ``want`` (True: its routed
+    tokens, False: the others), ties to the lower token, are the keys > thr and those == thr at tokens <= cut."""
+    cut = tl.zeros([], dtype=tl.int32) - 1
+    keys = tl.zeros([], dtype=tl.uint32)  # unused unless in registers
+    if IN_REGS:
+        keys = _row(row_key, row_routed, want, tl.arange(0, BT), T)
+    # The search fixes thr bit by bit from the top: thr | bit stays if at least n keys are >= it. Bits where
+    # the side's largest and smallest keys agree are fixed from those two (n <= the side's size), and the
+    # search stops at the first candidate with exactly n keys at or above it: those are the n largest, with
+    # no tie across the cut (about half the passes of a search over all 32 bits on random routings).
+    hi, lo_key = _extremes(keys, row_key, row_routed, want, T, n, SB, IN_REGS)
+    bit = tl.full([], 2147483648, tl.uint32)
+    while (bit != 0) & ((bit & (hi ^ lo_key)) == 0):
+        bit = bit >> 1
+    # the common prefix (bit 0: every key is hi); the bits above `bit` by an xor with an unsigned all-ones
+    # constant, not `~`: Triton's interpreter fills `~`'s all-ones operand of an unsigned type with -1, which
+    # some Triton releases reject under numpy 2
+    thr = tl.where(bit == 0, hi, hi & ((bit | (bit - 1)) ^ 0xFFFFFFFF))
+    exact = n < 0
+    while bit != 0:
+        cand = thr | bit
+        above = _count(keys, row_key, row_routed, want, T, cand, 0, 0, SB, IN_REGS)
+        if above >= n:
+            thr = cand
+        exact = above == n
+        bit = tl.where(exact, 0, bit >> 1).to(tl.uint32)
+    if exact:  # the keys >= thr are the cut: the last token of any key
+        cut = tl.zeros([], dtype=tl.int32) + T
+    elif _count(keys, row_key, row_routed, want, T, thr, 0, 0, SB, False) == n:  # every tie taken
+        for s0 in range(0, T, SB):
+            t = s0 + tl.arange(0, SB)
+            k = _row(row_key, row_routed, want, t, T)
+            cut = tl.maximum(cut, tl.max(tl.where(k == thr, t, -1), axis=0))
+    else:  # ties straddle the cut: the need-th tie in token order
+        need = n - _count(keys, row_key, row_routed, want, T, thr, 1, 0, SB, False)
+        p = tl.zeros([], dtype=tl.int32)
+        for i in range(T_BITS):
+            cand_t = p | (1 << (T_BITS - 1 - i))
+            if _count(keys, row_key, row_routed, want, T, thr, 2, cand_t, SB, False) < need:
+                p = cand_t
+        cut = p
+    return thr, cut
+
+
+@triton.jit
+def _apply_cut(
+    row_key, row_routed, offsets_ptr, row_prefix, NB, want, delta, thr, cut, T, SB: tl.constexpr, PB: tl.constexpr
+):
+    """The cut pairs' new status in the routed flags (0 for a dropped pair, -1 for an added one) and their tokens'
+    pair counts (integer atomics: exact in any order); every block's pairs before it. Returns the row's pairs
+    after the cut."""
+    status = tl.where(delta > 0, -1, 0).to(tl.int8)
+    step = tl.where(delta > 0, 1, -1)
+    carry = tl.zeros([], dtype=tl.int32)
+    for s0 in range(0, T, SB):
+        t = s0 + tl.arange(0, SB)
+        routed = tl.load(row_routed + t, mask=t < T, other=0) > 0
+        k = (tl.load(row_key + t, mask=t < T, other=0) ^ -2147483648).to(tl.uint32, bitcast=True)
+        sel = (routed == want) & ((k > thr) | ((k == thr) & (t <= cut))) & (t < T)
+        live = (routed != sel) & (t < T)  # a cut pair flips: a dropped one was routed, an added one was not
+        tl.store(row_routed + t, status + tl.zeros([SB], dtype=tl.int8), mask=sel)
+        tl.atomic_add(offsets_ptr + 1 + t, step + tl.zeros([SB], dtype=tl.int32), mask=sel, sem="relaxed")
+        carry = _block_prefixes(live, s0, carry, row_prefix, NB, SB, PB)
+    return carry
+
+
+@triton.jit
+def _keep_row(row_routed, row_prefix, NB, T, SB: tl.constexpr, PB: tl.constexpr):
+    """The row as top-K routed it: its blocks' pairs only. Returns the row's pairs."""
+    carry = tl.zeros([], dtype=tl.int32)
+    for s0 in range(0, T, SB):
+        t = s0 + tl.arange(0, SB)
+        live = tl.load(row_routed + t, mask=t < T, other=0) > 0
+        carry = _block_prefixes(live, s0, carry, row_prefix, NB, SB, PB)
+    return carry
+
+
+@triton.jit
 def _select_kernel(
     key_ptr,
     routed_ptr,
@@ -190,80 +309,16 @@ def _select_kernel(
     for s0 in range(0, T, SB):
         t = s0 + tl.arange(0, SB)
         f += tl.sum((tl.load(row_routed + t, mask=t < T, other=0) > 0).to(tl.int32), axis=0)
-    # the mode's target (rounding.TargetRule, whose constants these are)
-    lo = (f // TILE) * TILE
-    twice_r = 2 * (f - lo)
-    up = twice_r > UP_PAST_HALF_TILES * TILE
-    if TIES_TO_EVEN:
-        up = up | ((twice_r == UP_PAST_HALF_TILES * TILE) & ((lo // TILE) % 2 == 1))
-    if KEEP_ONE_TILE:
-        up = up | ((lo == 0) & (f > 0))
-    target = tl.where(up, lo + TILE, lo)
-    target = tl.where(target > T, lo, target)
+    target = _target(f, T, UP_PAST_HALF_TILES, TIES_TO_EVEN, KEEP_ONE_TILE, TILE)
     tl.store(offsets_ptr + T + 2 + e, target)  # the expert's rows, scanned after the tokens' counts
     delta = target - f
     n = tl.abs(delta)
     want = delta < 0  # drop: among the routed tokens; add: among the others
     if n > 0:  # else nothing to cut: the keys are not even read
-        cut = tl.zeros([], dtype=tl.int32) - 1
-        keys = tl.zeros([], dtype=tl.uint32)  # unused unless in registers
-        if IN_REGS:
-            keys = _row(row_key, row_routed, want, tl.arange(0, BT), T)
-        # The search fixes thr bit by bit from the top: thr | bit stays if at least n keys are >= it. Bits where
-        # the side's largest and smallest keys agree are fixed from those two (n <= the side's size), and the
-        # search stops at the first candidate with exactly n keys at or above it: those are the n largest, with
-        # no tie across the cut (about half the passes of a search over all 32 bits on random routings).
-        hi, lo_key = _extremes(keys, row_key, row_routed, want, T, n, SB, IN_REGS)
-        bit = tl.full([], 2147483648, tl.uint32)
-        while (bit != 0) & ((bit & (hi ^ lo_key)) == 0):
-            bit = bit >> 1
-        # the common prefix (bit 0: every key is hi); the bits above `bit` by an xor with an unsigned all-ones
-        # constant, not `~`: Triton's interpreter fills `~`'s all-ones operand of an unsigned type with -1, which
-        # some Triton releases reject under numpy 2
-        thr = tl.where(bit == 0, hi, hi & ((bit | (bit - 1)) ^ 0xFFFFFFFF))
-        exact = n < 0
-        while bit != 0:
-            cand = thr | bit
-            above = _count(keys, row_key, row_routed, want, T, cand, 0, 0, SB, IN_REGS)
-            if above >= n:
-                thr = cand
-            exact = above == n
-            bit = tl.where(exact, 0, bit >> 1).to(tl.uint32)
-        if exact:  # the keys >= thr are the cut: the last token of any key
-            cut = tl.zeros([], dtype=tl.int32) + T
-        elif _count(keys, row_key, row_routed, want, T, thr, 0, 0, SB, False) == n:  # every tie taken
-            for s0 in range(0, T, SB):
-                t = s0 + tl.arange(0, SB)
-                k = _row(row_key, row_routed, want, t, T)
-                cut = tl.maximum(cut, tl.max(tl.where(k == thr, t, -1), axis=0))
-        else:  # ties straddle the cut: the need-th tie in token order
-            need = n - _count(keys, row_key, row_routed, want, T, thr, 1, 0, SB, False)
-            p = tl.zeros([], dtype=tl.int32)
-            for i in range(T_BITS):
-                cand_t = p | (1 << (T_BITS - 1 - i))
-                if _count(keys, row_key, row_routed, want, T, thr, 2, cand_t, SB, False) < need:
-                    p = cand_t
-            cut = p
-        # The cut pairs' new status in the routed flags (0 for a dropped pair, -1 for an added one) and their
-        # tokens' pair counts (integer atomics: exact in any order); every block's pairs before it.
-        status = tl.where(delta > 0, -1, 0).to(tl.int8)
-        step = tl.where(delta > 0, 1, -1)
-        carry = tl.zeros([], dtype=tl.int32)
-        for s0 in range(0, T, SB):
-            t = s0 + tl.arange(0, SB)
-            routed = tl.load(row_routed + t, mask=t < T, other=0) > 0
-            k = (tl.load(row_key + t, mask=t < T, other=0) ^ -2147483648).to(tl.uint32, bitcast=True)
-            sel = (routed == want) & ((k > thr) | ((k == thr) & (t <= cut))) & (t < T)
-            live = (routed != sel) & (t < T)  # a cut pair flips: a dropped one was routed, an added one was not
-            tl.store(row_routed + t, status + tl.zeros([SB], dtype=tl.int8), mask=sel)
-            tl.atomic_add(offsets_ptr + 1 + t, step + tl.zeros([SB], dtype=tl.int32), mask=sel, sem="relaxed")
-            carry = _block_prefixes(live, s0, carry, row_prefix, NB, SB, PB)
-    else:  # the row as top-K routed it: its blocks' pairs only
-        carry = tl.zeros([], dtype=tl.int32)
-        for s0 in range(0, T, SB):
-            t = s0 + tl.arange(0, SB)
-            live = tl.load(row_routed + t, mask=t < T, other=0) > 0
-            carry = _block_prefixes(live, s0, carry, row_prefix, NB, SB, PB)
+        thr, cut = _search_cut(row_key, row_routed, want, n, T, T_BITS, BT, IN_REGS, SB)
+        _apply_cut(row_key, row_routed, offsets_ptr, row_prefix, NB, want, delta, thr, cut, T, SB, PB)
+    else:
+        _keep_row(row_routed, row_prefix, NB, T, SB, PB)
 
 
 @triton.jit
@@ -430,24 +485,11 @@ class _RoundedScores(torch.autograd.Function):
 def round_local_triton(routing: TopKRouting, dense_TE: torch.Tensor, num_experts: int, mode: str, tile: int):
     """``round_local`` on CUDA (see the module docstring); T, K >= 1, scores and dense probs of at most 32 bits,
     2P < 2^31. The rounded ``FlatRouting`` carries the experts' metadata of its pairs."""
-    idx_TK = routing.indices_TK.contiguous()
-    scores_TK = routing.scores_TK.contiguous()
-    dense_TE = dense_TE.contiguous()
+    idx_TK, scores_TK, dense_TE = routing.indices_TK.contiguous(), routing.scores_TK.contiguous(), dense_TE.contiguous()
     T, K = idx_TK.shape
-    E, device = num_experts, idx_TK.device
-    W = min(tile - 1, T)
-    key_ET = torch.empty(E, T, dtype=torch.int32, device=device)
-    routed_ET = torch.empty(E, T, dtype=torch.int8, device=device)
-    # One int32 scan for both offsets: [0, pairs of token 0.., T-1 | 0, rows of expert 0.., E-1]. The experts' part
-    # comes out shifted by the tokens' total (the placing kernel subtracts it).
-    scan = torch.empty(T + E + 2, dtype=torch.int32, device=device)
-    prefix_EB = torch.empty(E, triton.cdiv(T, _PLACE_TOKENS), dtype=torch.int32, device=device)
-    BE = min(triton.next_power_of_2(E), _KEYS_EXPERTS)
-    BT = _KEYS_TOKENS * _KEYS_EXPERTS // BE
-    _keys_kernel[(triton.cdiv(T, BT), triton.cdiv(E, BE))](
-        idx_TK, scores_TK, dense_TE, key_ET, routed_ET, scan, T, E, K=K, BT=BT, BE=BE, num_warps=_KEYS_WARPS
-    )
-    block = max(triton.next_power_of_2(T), _PLACE_TOKENS)
+    E = num_experts
+    key_ET, routed_ET, scan, prefix_EB = row_buffers(T, E, idx_TK.device)
+    launch_keys(idx_TK, scores_TK, dense_TE, key_ET, routed_ET, scan)
     rule = TARGET_RULES[RoundingMode(mode)]
     _select_kernel[(E,)](
         key_ET,
@@ -459,6 +501,52 @@ def round_local_triton(routing: TopKRouting, dense_TE: torch.Tensor, num_experts
         TIES_TO_EVEN=rule.ties_to_even,
         KEEP_ONE_TILE=rule.keep_one_tile,
         TILE=tile,
+        **row_pass_args(T),
+    )
+    # every target is a multiple of the tile: the experts' GEMMs may take tiles that the rows fill exactly
+    return rounded_routing(scores_TK, dense_TE, routed_ET, scan, prefix_EB, E, tile, rows_multiple=tile)
+
+
+def row_buffers(T: int, E: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(key_ET int32, routed_ET int8, scan int32 [T + E + 2], prefix_EB int32 [E, B]) for the kernels: one int32
+    scan serves both offsets, [0, pairs of token 0.., T-1 | 0, rows of expert 0.., E-1]; the experts' part comes
+    out shifted by the tokens' total (the placing kernel subtracts it)."""
+    key_ET = torch.empty(E, T, dtype=torch.int32, device=device)
+    routed_ET = torch.empty(E, T, dtype=torch.int8, device=device)
+    scan = torch.empty(T + E + 2, dtype=torch.int32, device=device)
+    prefix_EB = torch.empty(E, triton.cdiv(T, _PLACE_TOKENS), dtype=torch.int32, device=device)
+    return key_ET, routed_ET, scan, prefix_EB
+
+
+def launch_keys(idx_TK, scores_TK, dense_TE, key_ET, routed_ET, scan, counts=None) -> None:
+    """``_keys_kernel`` over [T, K] routing (T >= 1); ``counts`` (int64 [E + 2], expert parallelism): each expert's
+    routed count is added into counts[:E], the distinct routed pairs less the pairs in range into counts[E + 1], and
+    each token's flagged pairs into the scan, which must start zeroed."""
+    (T, K), E = idx_TK.shape, key_ET.shape[0]
+    BE = min(triton.next_power_of_2(E), _KEYS_EXPERTS)
+    BT = _KEYS_TOKENS * _KEYS_EXPERTS // BE
+    _keys_kernel[(triton.cdiv(T, BT), triton.cdiv(E, BE))](
+        idx_TK,
+        scores_TK,
+        dense_TE,
+        key_ET,
+        routed_ET,
+        scan,
+        scan if counts is None else counts,
+        T,
+        E,
+        K=K,
+        BT=BT,
+        BE=BE,
+        COUNT=counts is not None,
+        num_warps=_KEYS_WARPS,
+    )
+
+
+def row_pass_args(T: int) -> dict:
+    """The per-expert kernels' row-pass arguments (``_search_cut``'s block, register and streaming choices)."""
+    block = max(triton.next_power_of_2(T), _PLACE_TOKENS)
+    return dict(
         T_BITS=max(int(T - 1).bit_length(), 1),
         BT=min(block, _MAX_BLOCK),
         IN_REGS=block <= _MAX_BLOCK,
@@ -466,12 +554,17 @@ def round_local_triton(routing: TopKRouting, dense_TE: torch.Tensor, num_experts
         PB=_PLACE_TOKENS,
         num_warps=16 if block > 16384 else (8 if block > 8192 else 4),
     )
+
+
+def rounded_routing(scores_TK, dense_TE, routed_ET, scan, prefix_EB, E: int, tile: int, rows_multiple: int = 0):
+    """The scan, then the padded ``FlatRouting`` of the cut flags (``rounded_pairs_bound`` pairs) with the experts'
+    metadata of its pairs (``rows_multiple``: what every expert's row count is a multiple of, 0 if nothing)."""
+    T, K = scores_TK.shape
     scan.cumsum_(0)
-    P = T * K + E * W
+    P = T * K + E * min(tile - 1, T)
     tok_P, exp_P, score_P, *meta = _RoundedScores.apply(scores_TK, dense_TE, routed_ET, scan, prefix_EB, P)
     token_offsets = scan[: T + 1]
-    # every target is a multiple of the tile: the experts' GEMMs may take tiles that the rows fill exactly
-    metadata = RoutingMetadata(*meta, token_offsets=token_offsets, rows_multiple=tile)
+    metadata = RoutingMetadata(*meta, token_offsets=token_offsets, rows_multiple=rows_multiple)
     return FlatRouting(
         tok_P, exp_P, score_P.to(scores_TK.dtype), T, padded=True, token_offsets=token_offsets, metadata=metadata
     )
