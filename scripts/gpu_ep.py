@@ -24,7 +24,7 @@ nothing), a rank without tokens, and flat routing:
   * num_chunks=2 + redispatch + deferred wgrad, and comm_sms (+ chunks 2, deferred wgrad) within the same
     criterion; repeated runs bitwise equal;
   * token rounding (nearest, tile 128): every local expert's received count a multiple of 128, and the
-    decision equal to single-process rounding of the concatenation.
+    decision (pairs and scores) bitwise equal to single-process rounding of the concatenation.
 """
 
 from __future__ import annotations
@@ -322,10 +322,11 @@ def check(out: str) -> int:
         recv = sum(torch.diff(m.expert_offsets.long()) for m in plan.recv_meta)
         ok_tiles = bool((recv % tile == 0).all())
         off = sum(c["T_r"][:rank])
-        mine = torch.stack([plan.token_idx_R + off, plan.expert_idx_R]).cpu()
+        mine = (torch.stack([plan.token_idx_R + off, plan.expert_idx_R]).cpu(), plan.scores_R.detach().cpu())
         gathered = [None] * P
         dist.all_gather_object(gathered, mine)
-        ep_pairs = torch.cat(gathered, dim=1)
+        ep_pairs = torch.cat([g[0] for g in gathered], dim=1)
+        ep_scores = torch.cat([g[1] for g in gathered])
         logits = c["logits"].to(device)
         probs = logits.softmax(-1)
         s, i = probs.topk(K, dim=-1)
@@ -339,7 +340,7 @@ def check(out: str) -> int:
             rounding=TokenRounding("nearest", tile),
         )
         ref_pairs = torch.stack([ref.token_idx_R, ref.expert_idx_R]).cpu()
-        same = torch.equal(ep_pairs, ref_pairs)
+        same = torch.equal(ep_pairs, ref_pairs) and torch.equal(ep_scores, ref.scores_R.detach().cpu())
         report["rounding"] = {
             "tile": tile,
             "received_counts_multiple_of_tile": ok_tiles,
