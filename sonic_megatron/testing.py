@@ -167,3 +167,57 @@ def local_moe_weights(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     else:
         w1, w2 = ex.weight1, ex.weight2
     return w1.detach(), w2.detach(), layer.router.weight.detach()
+
+
+def layer_step(layer, params: list, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One training step of an MoE layer without touching ``.grad``: (output, dx, d params...) as new tensors
+    (``torch.autograd.grad``), so that the same step can run eagerly and inside a CUDA graph."""
+    out, _ = layer(x)
+    grads = torch.autograd.grad(out, [x, *params], grad)
+    return (out.detach(), *grads)
+
+
+def graphed_layer_step(layer, params: list, x: torch.Tensor, grad: torch.Tensor, warmup: int = 3):
+    """``layer_step`` captured in a CUDA graph (after ``warmup`` eager steps on a side stream, which compile and
+    cache every kernel): (replay, static outputs). ``replay()`` reruns the captured step on whatever ``x`` and
+    ``grad`` hold then and refills the static outputs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            layer_step(layer, params, x, grad)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = layer_step(layer, params, x, grad)
+    return graph.replay, static
+
+
+def gpu_layer_inputs(shape: tuple[int, int, int, int, int], seq: int = 2048, sonic_config=None):
+    """(plugin layer, its parameters [router, w1, w2], x [seq, T / seq, d], output gradient) on the current CUDA
+    device for ``shape`` = (T, d, n, E, K) in bf16 (SwiGLU, Megatron's aux loss), at expert-parallel size 1 (call
+    ``init_model_parallel`` first)."""
+    from .config import SonicConfig
+    from .layer import SonicMoELayer
+    from .megatron_compat import default_pg_collection
+
+    T, d, n, E, K = shape
+    config = moe_config(
+        hidden_size=d,
+        ffn_hidden_size=4 * d,
+        moe_ffn_hidden_size=n,
+        num_attention_heads=16,
+        num_moe_experts=E,
+        moe_router_topk=K,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-2,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        use_cpu_initialization=False,
+    )
+    layer = SonicMoELayer(config, pg_collection=default_pg_collection(), sonic_config=sonic_config or SonicConfig())
+    layer = layer.cuda().train()
+    params = [layer.router.weight, layer.experts.weight1, layer.experts.weight2]
+    x = torch.randn(seq, T // seq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(seq, T // seq, d, device="cuda", dtype=torch.bfloat16)
+    return layer, params, x, grad

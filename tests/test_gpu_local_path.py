@@ -55,3 +55,21 @@ def test_padded_routing_is_bitwise_the_unpadded_one_on_cute():
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
     assert torch.isfinite(results[0][0]).all()
+
+
+@pytest.mark.parametrize("mode", ["nearest", "up", "down"])
+def test_ep_rounding_kernels_without_a_group_equal_the_reference_on_cuda(mode):
+    """The expert-parallel rounding kernels compiled (the CPU tests interpret them), one process: the reference's
+    pairs, order, scores and counts, with ties (quantised probabilities)."""
+    from sonic_megatron.token_dispatch.rounding import round_routing_padded
+    from sonic_megatron.token_dispatch.send_side import flat_routing
+    from sonic_megatron.token_dispatch.triton_round_ep import round_ep_triton
+
+    routing, dense, *_ = _inputs(4096, 64, 32, 64, 8, 2, skew=4.0)
+    dense = (dense * 64).round() / 64
+    rounding = TokenRounding(mode, 128)
+    ref, dup_ref = round_routing_padded(*flat_routing(routing), dense, num_experts=64, rounding=rounding)
+    got, dup_got = round_ep_triton(routing, dense, num_experts=64, mode=mode, tile=128, group=None)
+    for f in ("token_idx_R", "expert_idx_R", "scores_R", "counts_before_E", "counts_after_E", "dropped", "added"):
+        assert torch.equal(getattr(ref, f).detach(), getattr(got, f).detach()), f
+    assert torch.equal(dup_ref != 0, dup_got)
