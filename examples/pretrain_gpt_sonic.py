@@ -174,7 +174,8 @@ def train(args, device, ep: int) -> dict:
         vocab_size=preset.vocab,
         max_sequence_length=preset.seq,
         position_embedding_type="rope",
-    ).to(device)
+    ).to(device=device, dtype=dtype)  # every parameter in the training dtype, norms too, as Megatron-LM's Float16Module
+    # casts them: Megatron's mixed-precision optimizer checkpoints only 16-bit parameters (it fails on fp32 ones)
     # The CPU fallback optimizer reads full main_grad, so no optimizer sharding there.
     args.use_distributed_optimizer = args.use_distributed_optimizer and cuda
     ddp_config = DistributedDataParallelConfig(

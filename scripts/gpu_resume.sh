@@ -4,6 +4,7 @@
 # iteration KILL (between two checkpoints), and once resumed from that run's latest checkpoint. The resumed run's
 # losses from the resume point on and its final parameter checksum are compared with the uninterrupted runs';
 # the verdict (bitwise, or within the noise of the two uninterrupted runs) goes to OUTDIR/resume_summary.json.
+# TRAINER_ARGS: more trainer flags for every run (e.g. --use-distributed-optimizer).
 #   bash scripts/gpu_resume.sh OUTDIR            # tests/test_resume.py is the CPU (gloo, torch backend) version
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +18,7 @@ trainer() {  # log name, then trainer arguments
   local name=$1
   shift
   timeout 150 torchrun --nproc-per-node 1 --nnodes 1 --master-addr 127.0.0.1 --master-port $((29500 + RANDOM % 1000)) \
-    examples/pretrain_gpt_sonic.py --steps "$steps" --deterministic "$@" > "$out/$name.log" 2>&1
+    examples/pretrain_gpt_sonic.py --steps "$steps" --deterministic ${TRAINER_ARGS:-} "$@" > "$out/$name.log" 2>&1
   echo "$name: rc $?"
 }
 trainer full1 --param-checksum --json "$out/full1.json"
