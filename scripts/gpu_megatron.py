@@ -7,9 +7,10 @@ Steps in this order (each its own subprocess with a time limit; a failure or tim
 $OUT/gpu_megatron_summary.json and the next step still runs; the pass stays under TOTAL_S, default 470 s,
 later steps are skipped when time runs out):
   compare    torchrun x4: SonicMoELayer vs stock MoELayer (same weights) at EP=1, 2, 4 and, with expert tensor
-             parallelism (TP = ETP = 2, sequence parallel), EP=1, 2 on NCCL: bf16 with the GPU backend (auto =
-             cute on H100/H200) and fp32 with the torch backend, random / one-expert / rank-0-only routings,
-             shared experts (+ overlap), Megatron's dispatcher with Sonic experts.
+             parallelism (TP = ETP = 2 with sequence parallel, and TP 1 with ETP 2), EP=1, 2 on NCCL: bf16 with the
+             GPU backend (auto = cute on H100/H200) and fp32 with the torch backend, random / one-expert /
+             rank-0-only routings, shared experts (+ overlap), Megatron's dispatcher with Sonic experts, the
+             capacity factor (drop by probs with padding to capacity, drop by position).
              Rule: error vs a float64 stock run <= 2x the stock layer's own error (+1e-6 of the magnitude).
   blockspec  ``sonic_block_spec`` (the --spec function for 0.19's GPTModelBuilder) on a GPTModelConfig with
              mixed dense/MoE layers builds SonicMoELayer exactly where the stock spec has MoE layers.
@@ -172,6 +173,10 @@ def _two_node(out: str, summary: dict, limit: float) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _capacity(factor: float, policy: str, pad: bool) -> dict:
+    return dict(moe_expert_capacity_factor=factor, moe_token_drop_policy=policy, moe_pad_expert_input_to_capacity=pad)
+
+
 def compare_worker(out: str) -> int:
     import warnings
 
@@ -179,7 +184,7 @@ def compare_worker(out: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from sonic_megatron.compare import Case, compare_case, passes
+    from sonic_megatron.compare import Case, case_key, compare_case, passes
     from sonic_megatron.config import SonicConfig
     from sonic_megatron.testing import init_distributed, init_model_parallel
 
@@ -196,13 +201,18 @@ def compare_worker(out: str) -> int:
         Case("bf16_shared_overlap", dict(big, **shared, moe_shared_expert_overlap=True), gpu, **kw),
         Case("bf16_megatron_dispatcher", big, SonicConfig(backend="auto", dispatcher="megatron"), **kw),
         Case("fp32_torch_backend", big, SonicConfig(backend="torch"), tokens=(256, 2), dtype=torch.float32),
+        # Megatron's capacity factor: the same pairs dropped (and padded to capacity) as the stock layer
+        Case("bf16_capacity_probs_pad", dict(big, **_capacity(1.0, "probs", True)), gpu, **kw),
+        Case("bf16_capacity_position", dict(big, **_capacity(0.5, "position", False)), gpu, **kw),
     ]
     results = {}
-    layouts = [(1, e) for e in (1, 2, 4) if world % e == 0] + [(2, e) for e in (1, 2) if world % (2 * e) == 0]
-    for tp, ep in layouts:
-        init_model_parallel(ep=ep, tp=tp)
+    # (tp, etp, ep): EP alone, TP = ETP = 2, and TP 1 with ETP 2 (Megatron's "MoE parallel folding")
+    layouts = [(1, 1, e) for e in (1, 2, 4) if world % e == 0]
+    layouts += [(t, 2, e) for t in (2, 1) for e in (1, 2) if world % (2 * e) == 0]
+    for tp, etp, ep in layouts:
+        init_model_parallel(ep=ep, tp=tp, etp=etp)
         for case in cases:
-            key = f"{case.name}@ep{ep}" if tp == 1 else f"{case.name}@tp{tp}ep{ep}"
+            key = case_key(case.name, ep, tp, etp)
             if tp > 1:  # Megatron's MoE layer trains with tensor parallelism only under sequence parallelism
                 case = dataclasses.replace(case, overrides=dict(case.overrides, sequence_parallel=True))
             try:

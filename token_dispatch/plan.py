@@ -483,9 +483,9 @@ def finish_plan(started: StartedPlan) -> EPPlan:
 def rounding_kernels(routing, rounding_scores_TE, num_experts, device: torch.device):
     """``triton_round_ep.round_ep_triton`` where it runs this rounding (CUDA, top-K routing, scores and dense
     probabilities of at most 32 bits, E >= 1, Triton importable), else None (``round_routing_padded``). The choice
-    must be the same on every rank (both paths run collectives): it reads only what ranks share -- the device
-    type, the routing's type, the router's dtypes and E; a rank whose own routing is malformed takes the path its
-    peers take."""
+    must be the same on every rank (both paths run collectives): it reads only what a model's ranks share -- the
+    device type, the routing's type, the router's dtypes and E -- so a rank whose routing is malformed otherwise
+    (wrong shapes, bad indices) takes its peers' path and reports the problem in the plan's header."""
     if device.type != "cuda" or not isinstance(routing, TopKRouting) or not isinstance(num_experts, int):
         return None
     if num_experts < 1 or any(
