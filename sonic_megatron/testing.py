@@ -193,16 +193,11 @@ def graphed_layer_step(layer, params: list, x: torch.Tensor, grad: torch.Tensor,
     return graph.replay, static
 
 
-def gpu_layer_inputs(shape: tuple[int, int, int, int, int], seq: int = 2048, sonic_config=None):
-    """(plugin layer, its parameters [router, w1, w2], x [seq, T / seq, d], output gradient) on the current CUDA
-    device for ``shape`` = (T, d, n, E, K) in bf16 (SwiGLU, Megatron's aux loss), at expert-parallel size 1 (call
-    ``init_model_parallel`` first)."""
-    from .config import SonicConfig
-    from .layer import SonicMoELayer
-    from .megatron_compat import default_pg_collection
-
-    T, d, n, E, K = shape
-    config = moe_config(
+def bench_moe_config(shape: tuple[int, int, int, int, int]):
+    """The benchmarks' bf16 MoE TransformerConfig for ``shape`` = (T, d, n, E, K): SwiGLU, fp32 router logits with
+    Megatron's aux loss, weights initialised on the GPU."""
+    _, d, n, E, K = shape
+    return moe_config(
         hidden_size=d,
         ffn_hidden_size=4 * d,
         moe_ffn_hidden_size=n,
@@ -215,6 +210,18 @@ def gpu_layer_inputs(shape: tuple[int, int, int, int, int], seq: int = 2048, son
         bf16=True,
         use_cpu_initialization=False,
     )
+
+
+def gpu_layer_inputs(shape: tuple[int, int, int, int, int], seq: int = 2048, sonic_config=None):
+    """(plugin layer, its parameters [router, w1, w2], x [seq, T / seq, d], output gradient) on the current CUDA
+    device for ``shape`` = (T, d, n, E, K) (``bench_moe_config``), at expert-parallel size 1 (call
+    ``init_model_parallel`` first)."""
+    from .config import SonicConfig
+    from .layer import SonicMoELayer
+    from .megatron_compat import default_pg_collection
+
+    T, d = shape[0], shape[1]
+    config = bench_moe_config(shape)
     layer = SonicMoELayer(config, pg_collection=default_pg_collection(), sonic_config=sonic_config or SonicConfig())
     layer = layer.cuda().train()
     params = [layer.router.weight, layer.experts.weight1, layer.experts.weight2]

@@ -52,9 +52,19 @@ _CAND_BLOCK = 128  # candidates written per step of the sentinel fill
 
 
 @triton.jit
-def _global_stats(stats_ptr, e, rank, P, E):
-    """(f_e: the group's routed count of expert e, the group's tokens, this rank's first global token) from the
-    all-gathered stats [P, E + 2]."""
+def _group_decision(
+    stats_ptr,
+    e,
+    rank,
+    P,
+    E,
+    UP_PAST_HALF_TILES: tl.constexpr,
+    TIES_TO_EVEN: tl.constexpr,
+    KEEP_ONE_TILE: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """Expert e's decision from the all-gathered stats [P, E + 2]: (f_e, the group's routed count; t_e, its target;
+    this rank's first global token; this rank's routed count of e)."""
     f = tl.zeros([], dtype=tl.int64)
     total = tl.zeros([], dtype=tl.int64)
     first = tl.zeros([], dtype=tl.int64)
@@ -64,7 +74,8 @@ def _global_stats(stats_ptr, e, rank, P, E):
         tokens = tl.load(row + E)
         total += tokens
         first += tl.where(p < rank, tokens, 0)
-    return f, total, first
+    target = _target(f, total, UP_PAST_HALF_TILES, TIES_TO_EVEN, KEEP_ONE_TILE, TILE)
+    return f, target, first, tl.load(stats_ptr + rank * (E + 2) + e)
 
 
 @triton.jit
@@ -93,10 +104,11 @@ def _candidates_kernel(
     row_key = key_ptr + e.to(tl.int64) * T
     row_routed = routed_ptr + e.to(tl.int64) * T
     row_cand = cand_ptr + e.to(tl.int64) * C
-    f, total, first = _global_stats(stats_ptr, e, rank, P, E)
-    delta = _target(f, total, UP_PAST_HALF_TILES, TIES_TO_EVEN, KEEP_ONE_TILE, TILE) - f
+    f, target, first, mine = _group_decision(
+        stats_ptr, e, rank, P, E, UP_PAST_HALF_TILES, TIES_TO_EVEN, KEEP_ONE_TILE, TILE
+    )
+    delta = target - f
     want = delta < 0  # drop: among the routed tokens; add: among the others
-    mine = tl.load(stats_ptr + rank * (E + 2) + e)  # this rank's routed count of e
     n = tl.minimum(tl.abs(delta), tl.where(want, mine, T - mine)).to(tl.int32)
     written = tl.zeros([], dtype=tl.int32)
     if n > 0:
@@ -145,12 +157,13 @@ def _apply_kernel(
     row_routed = routed_ptr + e.to(tl.int64) * T
     NB = tl.cdiv(T, PB)
     row_prefix = prefix_ptr + e.to(tl.int64) * NB
-    f, total, first = _global_stats(stats_ptr, e, rank, P, E)
-    target = _target(f, total, UP_PAST_HALF_TILES, TIES_TO_EVEN, KEEP_ONE_TILE, TILE)
+    f, target, first, mine = _group_decision(
+        stats_ptr, e, rank, P, E, UP_PAST_HALF_TILES, TIES_TO_EVEN, KEEP_ONE_TILE, TILE
+    )
     delta = target - f
     want = delta < 0
     n = tl.abs(delta)
-    mine = tl.load(stats_ptr + rank * (E + 2) + e).to(tl.int32)
+    mine = mine.to(tl.int32)
     tl.store(report_ptr + e, f)
     tl.store(report_ptr + E + e, target)
     if n > 0:

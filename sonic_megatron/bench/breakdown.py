@@ -166,22 +166,9 @@ def _layers(cfg, device, seq: int):
     from ..config import SonicConfig
     from ..layer import SonicMoELayer
     from ..megatron_compat import accepted_kwargs, default_pg_collection
-    from ..testing import moe_config
+    from ..testing import bench_moe_config
 
-    T, d, n, E, K = cfg
-    config = moe_config(
-        hidden_size=d,
-        ffn_hidden_size=4 * d,
-        moe_ffn_hidden_size=n,
-        num_attention_heads=16,
-        num_moe_experts=E,
-        moe_router_topk=K,
-        moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=1e-2,
-        params_dtype=torch.bfloat16,
-        bf16=True,
-        use_cpu_initialization=False,
-    )
+    config = bench_moe_config(cfg)
     pgs = default_pg_collection()
     plugin = SonicMoELayer(config, pg_collection=pgs, sonic_config=SonicConfig())
     rounded = SonicMoELayer(config, pg_collection=pgs, sonic_config=SonicConfig(token_rounding="nearest"))
