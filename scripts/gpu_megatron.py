@@ -224,6 +224,7 @@ def compare_worker(out: str) -> int:
             if rank == 0:
                 r = results[key]
                 print(f"{key}: {'PASS' if r['pass'] else 'FAIL ' + '; '.join(r['failures'])}", flush=True)
+    os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"compare_rank{rank}.json"), "w") as f:
         json.dump(results, f, indent=2)
     dist.barrier()
