@@ -73,3 +73,17 @@ def test_ep_rounding_kernels_without_a_group_equal_the_reference_on_cuda(mode):
     for f in ("token_idx_R", "expert_idx_R", "scores_R", "counts_before_E", "counts_after_E", "dropped", "added"):
         assert torch.equal(getattr(ref, f).detach(), getattr(got, f).detach()), f
     assert torch.equal(dup_ref != 0, dup_got)
+
+
+def test_ep_rounding_kernels_on_a_rank_without_tokens_on_cuda():
+    """A rank without tokens still runs the per-expert kernels (it joins the group's decision): no pairs out, no
+    fault from empty buffers."""
+    from sonic_megatron.token_dispatch.triton_round_ep import round_ep_triton
+
+    idx = torch.zeros(0, 8, dtype=torch.int64, device="cuda")
+    routing = TopKRouting(torch.zeros(0, 8, device="cuda"), idx)
+    got, dup = round_ep_triton(
+        routing, torch.zeros(0, 64, device="cuda"), num_experts=64, mode="nearest", tile=128, group=None
+    )
+    assert got.token_idx_R.numel() == 0 and not bool(dup.any())
+    assert int(got.counts_before_E.sum()) == 0 and int(got.counts_after_E.sum()) == 0

@@ -203,7 +203,9 @@ def round_ep_triton(
         KEEP_ONE_TILE=rule.keep_one_tile,
         TILE=tile,
     )
-    key_ET, routed_ET, scan, prefix_EB = row_buffers(T, E, device)
+    # a rank without tokens still launches the per-expert kernels (nothing of its rows is read): buffers of one
+    # token, so that no kernel argument is an empty tensor's null pointer
+    key_ET, routed_ET, scan, prefix_EB = row_buffers(max(T, 1), E, device)
     # 1. keys and flags; this rank's stats: counts [E], T, distinct routed pairs - pairs in range
     stats = _stats_template(E, T, device).clone()
     if T > 0:
