@@ -14,6 +14,8 @@ later steps are skipped when time runs out):
              Rule: error vs a float64 stock run <= 2x the stock layer's own error (+1e-6 of the magnitude).
   blockspec  ``sonic_block_spec`` (the --spec function for 0.19's GPTModelBuilder) on a GPTModelConfig with
              mixed dense/MoE layers builds SonicMoELayer exactly where the stock spec has MoE layers.
+  graph      the plugin layer at EP 1 (cute, bf16) as one CUDA graph, forward and backward, at the bench configs
+             (T 16384, qwen3 / sparse): replays bitwise equal to eager steps, step ms of each; $OUT/cuda_graph.json.
   ckpt       torchrun x4 tests/megatron_ckpt_chain.py: real dist_checkpointing.save/load directories (torch_dist)
              along stock MoELayer (SequentialMLP) EP=4 -> Sonic EP=2 (x expert-DP 2) -> Sonic EP=1 -> stock EP=4:
              expert and router weights bitwise equal to the original global weights after every load, the layer
@@ -103,6 +105,7 @@ def driver() -> int:
     plan = [
         ("compare", _torchrun(4, __file__, "compare", "--out", out), 140),
         ("blockspec", [PY, __file__, "blockspec"], 30),
+        ("graph", [PY, __file__, "graph", "--out", out], 150),
         ("ckpt", _torchrun(4, "tests/megatron_ckpt_chain.py", "--out", out, port=29517), 60),
         ("overlap", _torchrun(4, "examples/pretrain_gpt_sonic.py", *overlap_args, "--overlap-moe-expert-parallel-comm",
                               "--json", os.path.join(out, "overlap.json")), 45),
@@ -252,6 +255,73 @@ def _blockspec_worker(rank: int, world: int) -> None:
     assert all(isinstance(layer.mlp, SonicMoELayer) for layer in block.layers[1::2])
 
 
+GRAPH_CONFIGS = {"qwen3": (16384, 2048, 768, 128, 8), "sparse": (16384, 2048, 512, 256, 8)}
+
+
+def _ms(step, iters: int) -> list[float]:
+    import torch
+
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def run_graph_config(shape, iters: int) -> dict:
+    """Capture, check and time the layer step at ``shape`` = (T, d, n, E, K)."""
+    import statistics
+
+    import torch
+
+    from sonic_megatron.testing import gpu_layer_inputs, graphed_layer_step, layer_step
+
+    layer, params, x, grad = gpu_layer_inputs(shape)
+    entry = {"shape_T_d_n_E_K": shape}
+    try:
+        replay, static = graphed_layer_step(layer, params, x, grad)
+        replay()
+        eager = layer_step(layer, params, x, grad)
+        entry["bitwise_equal_to_eager"] = all(torch.equal(a, b) for a, b in zip(static, eager, strict=True))
+        eager_ms = _ms(lambda: layer_step(layer, params, x, grad), iters)
+        graph_ms = _ms(replay, iters)
+        entry.update(
+            eager_ms_median=statistics.median(eager_ms),
+            eager_ms_min_max=(min(eager_ms), max(eager_ms)),
+            graph_ms_median=statistics.median(graph_ms),
+            graph_ms_min_max=(min(graph_ms), max(graph_ms)),
+            speedup=statistics.median(eager_ms) / statistics.median(graph_ms),
+        )
+    except Exception as exc:  # reported, the next config still runs
+        entry["error"] = f"{type(exc).__name__}: {exc}"
+    return entry
+
+
+def graph_worker(out: str) -> int:
+    """The plugin layer at EP 1 (cute, bf16) as one CUDA graph, forward and backward, against eager steps at the
+    bench configs: replays bitwise equal to eager, and step ms of each (ITERS steps, default 30)."""
+    import torch
+
+    from sonic_megatron.testing import free_port, init_distributed, init_model_parallel
+
+    iters = int(os.environ.get("ITERS", "30"))
+    init_distributed(0, 1, port=free_port())
+    init_model_parallel(ep=1)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "iters": iters, "configs": {}}
+    for name, shape in GRAPH_CONFIGS.items():
+        results["configs"][name] = entry = run_graph_config(shape, iters)
+        print(name, json.dumps(entry), flush=True)
+        torch.cuda.empty_cache()
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "cuda_graph.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    return 0 if all(e.get("bitwise_equal_to_eager") for e in results["configs"].values()) else 1
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "blockspec":
         import warnings
@@ -265,4 +335,6 @@ if __name__ == "__main__":
         sys.exit(0)
     if len(sys.argv) > 1 and sys.argv[1] == "compare":
         sys.exit(compare_worker(sys.argv[sys.argv.index("--out") + 1]))
+    if len(sys.argv) > 1 and sys.argv[1] == "graph":
+        sys.exit(graph_worker(sys.argv[sys.argv.index("--out") + 1]))
     sys.exit(driver())

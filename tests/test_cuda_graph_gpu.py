@@ -1,6 +1,6 @@
 """The plugin layer at expert-parallel size 1 (cute backend) captured in a CUDA graph, forward and backward: its
 replays bitwise equal to eager steps on new inputs (the path has no host sync and no shape read back). The replay's
-speed against eager: scripts/gpu_cuda_graph.py."""
+speed against eager: the graph step of scripts/gpu_megatron.py."""
 
 from __future__ import annotations
 

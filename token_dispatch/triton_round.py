@@ -280,6 +280,15 @@ def _keep_row(row_routed, row_prefix, NB, T, SB: tl.constexpr, PB: tl.constexpr)
 
 
 @triton.jit
+def _expert_rows(key_ptr, routed_ptr, prefix_ptr, e, T, PB: tl.constexpr):
+    """Expert e's rows of the per-expert kernels: (its keys [T], its routed flags [T], the placing kernel's block
+    count NB, its block prefixes [NB])."""
+    NB = tl.cdiv(T, PB)
+    e64 = e.to(tl.int64)
+    return key_ptr + e64 * T, routed_ptr + e64 * T, NB, prefix_ptr + e64 * NB
+
+
+@triton.jit
 def _select_kernel(
     key_ptr,
     routed_ptr,
@@ -301,10 +310,7 @@ def _select_kernel(
     # of up to 32768 tokens fit on 16 warps (with [T] vectors in every pass, longer rows than half that had to be
     # re-read per pass, much slower).
     e = tl.program_id(0)
-    row_key = key_ptr + e.to(tl.int64) * T
-    row_routed = routed_ptr + e.to(tl.int64) * T
-    NB = tl.cdiv(T, PB)
-    row_prefix = prefix_ptr + e.to(tl.int64) * NB
+    row_key, row_routed, NB, row_prefix = _expert_rows(key_ptr, routed_ptr, prefix_ptr, e, T, PB)
     f = tl.zeros([], dtype=tl.int32)  # the expert's routed count
     for s0 in range(0, T, SB):
         t = s0 + tl.arange(0, SB)

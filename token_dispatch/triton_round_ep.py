@@ -38,6 +38,7 @@ from .comm import all_gather, group_rank, group_size
 from .rounding import TARGET_RULES, RoundingMode, RoundingResult, rounded_pairs_bound
 from .triton_round import (
     _apply_cut,
+    _expert_rows,
     _keep_row,
     _search_cut,
     _target,
@@ -101,8 +102,7 @@ def _candidates_kernel(
     CB: tl.constexpr,
 ):
     e = tl.program_id(0)
-    row_key = key_ptr + e.to(tl.int64) * T
-    row_routed = routed_ptr + e.to(tl.int64) * T
+    row_key, row_routed, _, _ = _expert_rows(key_ptr, routed_ptr, key_ptr, e, T, PB)
     row_cand = cand_ptr + e.to(tl.int64) * C
     f, target, first, mine = _group_decision(
         stats_ptr, e, rank, P, E, UP_PAST_HALF_TILES, TIES_TO_EVEN, KEEP_ONE_TILE, TILE
@@ -153,10 +153,7 @@ def _apply_kernel(
     PB: tl.constexpr,
 ):
     e = tl.program_id(0)
-    row_key = key_ptr + e.to(tl.int64) * T
-    row_routed = routed_ptr + e.to(tl.int64) * T
-    NB = tl.cdiv(T, PB)
-    row_prefix = prefix_ptr + e.to(tl.int64) * NB
+    row_key, row_routed, NB, row_prefix = _expert_rows(key_ptr, routed_ptr, prefix_ptr, e, T, PB)
     f, target, first, mine = _group_decision(
         stats_ptr, e, rank, P, E, UP_PAST_HALF_TILES, TIES_TO_EVEN, KEEP_ONE_TILE, TILE
     )
