@@ -90,7 +90,25 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.save_interval is not None and not args.save:
         p.error("--save-interval needs --save DIR")
+    if args.use_distributed_optimizer and (args.save or args.load) and _distributed_optimizer_over_torch_adam():
+        p.error(
+            "--use-distributed-optimizer with --save / --load needs Apex or Transformer Engine: over torch's Adam, "
+            "Megatron's distributed optimizer cannot reload its own checkpoints (its loaders fail on the "
+            "per-parameter 'step' state that torch's Adam keeps)"
+        )
     return args
+
+
+def _distributed_optimizer_over_torch_adam() -> bool:
+    """Whether Megatron's distributed optimizer would run over torch's Adam here: a GPU (on a CPU this trainer keeps
+    the optimizer unsharded) and neither Apex nor Transformer Engine."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    from megatron.core.optimizer import distrib_optimizer
+
+    return not distrib_optimizer.HAVE_APEX_OR_TE
 
 
 def main(argv=None) -> int:
@@ -414,18 +432,6 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, args) -> str:
     return path
 
 
-def _allocate_distributed_optimizer_state(optimizer) -> None:
-    """Megatron's DistributedOptimizer over torch's Adam (no Apex or Transformer Engine) holds no Adam state before
-    its first step, and its sharded_state_dict for loading reads that state. Megatron's own loaders allocate it
-    first with one step on zero gradients (``_init_optimizer_states_with_dummy_values``); the load then overwrites
-    every state tensor and main parameter that step touched."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(leaf, DistributedOptimizer) and not leaf.optimizer.state:
-            leaf._init_optimizer_states_with_dummy_values()
-
-
 def load_checkpoint(root: str, model, optimizer, args) -> int:
     """Load ``root``'s latest checkpoint into the model, the optimizer and the RNGs; returns its iteration (0,
     starting from scratch, where ``root`` has none). Another EP size reshards (the experts' keys are global)."""
@@ -444,7 +450,6 @@ def load_checkpoint(root: str, model, optimizer, args) -> int:
         raise ValueError(
             f"--load {root}: checkpoint {path} was written with other model or data flags (saved, now): {differ}"
         )
-    _allocate_distributed_optimizer_state(optimizer)
     state = _checkpoint_state(model, optimizer, iteration, args, is_loading=True)
     loaded = dist_checkpointing.load(state, path)
     _unwrap(model).load_state_dict(loaded["model"], strict=True)

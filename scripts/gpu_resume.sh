@@ -4,7 +4,8 @@
 # iteration KILL (between two checkpoints), and once resumed from that run's latest checkpoint. The resumed run's
 # losses from the resume point on and its final parameter checksum are compared with the uninterrupted runs';
 # the verdict (bitwise, or within the noise of the two uninterrupted runs) goes to OUTDIR/resume_summary.json.
-# TRAINER_ARGS: more trainer flags for every run (e.g. --use-distributed-optimizer).
+# TRAINER_ARGS: more trainer flags for every run (--use-distributed-optimizer needs Apex or Transformer Engine here:
+# over torch's Adam, Megatron's distributed optimizer cannot reload its own checkpoints and the trainer refuses it).
 #   bash scripts/gpu_resume.sh OUTDIR            # tests/test_resume.py is the CPU (gloo, torch backend) version
 set -uo pipefail
 cd "$(dirname "$0")/.."

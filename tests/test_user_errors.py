@@ -248,6 +248,24 @@ def test_demo_rejects_a_bad_environment_before_starting_processes(monkeypatch, c
     assert "did you mean SONIC_MEGATRON_TOKEN_ROUNDING?" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags", [["--save", "ckpt"], ["--load", "ckpt"]])
+def test_trainer_refuses_checkpoints_of_the_distributed_optimizer_over_torch_adam(flags, monkeypatch, capsys):
+    """Megatron's distributed optimizer over torch's Adam (no Apex, no Transformer Engine) cannot reload its own
+    checkpoints: the example trainer says so before anything starts, and only then (GPU machines)."""
+    spec = importlib.util.spec_from_file_location("sonic_trainer", ROOT / "examples" / "pretrain_gpt_sonic.py")
+    trainer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trainer)
+    monkeypatch.setattr(trainer, "_distributed_optimizer_over_torch_adam", lambda: True)
+    with pytest.raises(SystemExit) as info:
+        trainer.parse_args(["--use-distributed-optimizer", *flags])
+    assert info.value.code == 2
+    needs = "--use-distributed-optimizer with --save / --load needs Apex or Transformer Engine"
+    assert needs in capsys.readouterr().err
+    assert trainer.parse_args(["--use-distributed-optimizer"]).use_distributed_optimizer  # no checkpoints: fine
+    monkeypatch.setattr(trainer, "_distributed_optimizer_over_torch_adam", lambda: False)
+    assert trainer.parse_args(["--use-distributed-optimizer", *flags]).use_distributed_optimizer
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------------------
