@@ -17,9 +17,11 @@ later steps are skipped when time runs out):
   graph      the plugin layer at EP 1 (cute, bf16) as one CUDA graph, forward and backward, at the bench configs
              (T 16384, qwen3 / sparse): replays bitwise equal to eager steps, step ms of each; $OUT/cuda_graph.json.
   ckpt       torchrun x4 tests/megatron_ckpt_chain.py: real dist_checkpointing.save/load directories (torch_dist)
-             along stock MoELayer (SequentialMLP) EP=4 -> Sonic EP=2 (x expert-DP 2) -> Sonic EP=1 -> stock EP=4:
-             expert and router weights bitwise equal to the original global weights after every load, the layer
-             output on a fixed input equal at the end; $OUT/ckpt_summary.json (per hop: max abs diffs, files, pass).
+             along stock MoELayer (SequentialMLP) EP=4 -> Sonic EP=2 (x expert-DP 2) -> Sonic EP=1 -> stock EP=4,
+             then with expert tensor parallelism stock ETP 2 -> Sonic ETP 2 -> Sonic ETP 1 (EP 1, EP 2) -> Sonic
+             ETP 2 -> stock ETP 2: expert and router weights bitwise equal to the original global weights after every
+             load, the layer output on a fixed input equal at the end; $OUT/ckpt_summary.json and
+             $OUT/etp/ckpt_summary.json (per hop: max abs diffs, files, pass).
   overlap    examples/pretrain_gpt_sonic.py (2-layer OLMoE-like, EP=4) with --overlap-moe-expert-parallel-comm
              (Megatron's 1F1B EP A2A overlap schedule), then (overlap_delay_wgrad) also --delay-wgrad-compute
              (deferred expert wgrad in backward_dw; Megatron also defers attention wgrad then, which its local,

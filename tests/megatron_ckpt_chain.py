@@ -6,7 +6,7 @@ Used by ``tests/test_megatron_checkpoint_files.py`` (2 gloo ranks on CPU, chain 
 expert tensor parallelism ``CKPT_CHAIN_ETP_2``) and run as the GPU pass's ``ckpt`` step
 (``scripts/gpu_megatron.py``) on 4 GPUs under NCCL:
 
-    torchrun --nproc-per-node 4 tests/megatron_ckpt_chain.py --out DIR      # chain EP 4 -> 2 -> 1 -> 4
+    torchrun --nproc-per-node 4 tests/megatron_ckpt_chain.py --out DIR      # EP 4 -> 2 -> 1 -> 4, then ETP
 
 Legend: E experts, H hidden size, F expert ffn size; fc1 [E, 2F, H] ([gate ; up]), fc2 [E, H, F], router [E, H].
 A rank holds its EP rank's experts and, at expert tensor-parallel size ETP > 1, its ETP rank's share of their ffn
@@ -204,6 +204,7 @@ def _ckpt_main(out: str) -> int:
     """torchrun entry of the ckpt step: NCCL with a 120 s collective timeout (a stuck save fails instead of
     hanging; the driver's step limit is the outer bound)."""
     import datetime
+    import shutil
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -213,16 +214,20 @@ def _ckpt_main(out: str) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=120))
-    # The checkpoint directories (a few MB) stay off $OUT, which keeps only logs and JSON.
+    # The EP chain's summary in OUT, the expert-tensor-parallel chain's in OUT/etp. The checkpoint directories (a
+    # few MB) stay off OUT, which keeps only logs and JSON.
     root = os.path.join(os.environ.get("TMPDIR", "/tmp"), "sonic_megatron_ckpt")
-    summary = ckpt_worker(rank, world, out, CKPT_CHAIN_4 if world >= 4 else CKPT_CHAIN_2, ckpt_root=root)
-    dist.barrier()
+    chains = ((CKPT_CHAIN_4 if world >= 4 else CKPT_CHAIN_2, out), (CKPT_CHAIN_ETP_2, os.path.join(out, "etp")))
+    passed = True
+    for chain, where in chains:
+        if rank == 0:
+            os.makedirs(where, exist_ok=True)
+        passed &= ckpt_worker(rank, world, where, chain, ckpt_root=root)["pass"]
+        dist.barrier()
     if rank == 0:
-        import shutil
-
         shutil.rmtree(root, ignore_errors=True)
     dist.destroy_process_group()
-    return 0 if summary["pass"] else 1
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
