@@ -894,6 +894,11 @@ def _comm_trace_events() -> list:
         | {"args": {"correlation": 11}},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 610, "dur": 1, "pid": 9, "tid": 1}
         | {"args": {"correlation": 12}},
+        # host waits on two threads: 40 + 20 + 90 us (an asynchronous copy is no wait)
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaEventSynchronize", "ts": 300, "dur": 40, "pid": 9, "tid": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpy", "ts": 620, "dur": 20, "pid": 9, "tid": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 640, "dur": 5, "pid": 9, "tid": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 400, "dur": 90, "pid": 9, "tid": 2},
     ]
 
 
@@ -914,6 +919,7 @@ def test_profile_all_to_all_time_and_its_hidden_share(tmp_path):
     assert prof["nccl_ms"] == pytest.approx(0.16) and prof["all_to_all_ms"] == pytest.approx(0.125)
     assert prof["all_to_all_hidden_ms"] == pytest.approx(0.06)
     assert prof["all_to_all_hidden_share"] == pytest.approx(0.48)
+    assert prof["all_gather_ms"] == pytest.approx(0.03) and prof["host_wait_ms"] == pytest.approx(0.075)
     # busy 50-200, 300-450, 500-560, 650-680, 700-760 = 450 of 710 us
     assert prof["idle_ms"] == pytest.approx(0.13)
     step7, step8 = prof["per_iteration"]
@@ -936,7 +942,9 @@ def test_profile_all_to_all_time_and_its_hidden_share(tmp_path):
     assert step7["idle_ms"] + step8["idle_ms"] == pytest.approx(2 * prof["idle_ms"]), "the windows tile the trace"
     assert "all-to-all 0.12 ms/iter (48 % of it hidden behind compute)" in e2e_profile.summary_text(prof)
     rows, columns = e2e_profile.table_rows([{"provider": "sonic", "profile": prof}])
-    assert columns[3:6] == ["nccl_ms", "all_to_all_ms", "all_to_all_hidden_share"]
+    assert columns[3:8] == ["host_wait_ms", "nccl_ms", "all_gather_ms", "all_to_all_ms", "all_to_all_hidden_share"]
+    text = e2e_profile.summary_text(prof)
+    assert "host waiting for the GPU 0.07 ms/iter, NCCL 0.16 ms/iter (all-gather 0.03)" in text
     assert rows[0]["all_to_all_hidden_share"] == pytest.approx(0.48)
     assert e2e_profile.window_lines("sonic", prof)[1] == (
         "  sonic: step 8: 0.11 ms window, GPU idle 0.02 ms, NCCL 0.06 ms, all-to-all 0.05 ms (0 % of it hidden "
@@ -962,7 +970,7 @@ def test_profile_numbers_printed_per_provider(tmp_path, capsys):
     assert e2e.run(args) == 0
     printed = capsys.readouterr().out
     summary = next(line for line in printed.splitlines() if line.startswith("[1/1] sonic: ok"))
-    assert "NCCL 0.16 ms/iter, all-to-all 0.12 ms/iter (48 % of it hidden behind compute)" in summary
+    assert "NCCL 0.16 ms/iter (all-gather 0.03), all-to-all 0.12 ms/iter (48 % of it hidden behind compute)" in summary
     assert "all_to_all_hidden_share" in printed and "  sonic: step 7: 0.60 ms window" in printed
     (row,) = json.loads(out.read_text())["rows"]
     assert row["profile"]["all_to_all_hidden_share"] == pytest.approx(0.48)

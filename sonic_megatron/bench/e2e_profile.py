@@ -9,10 +9,12 @@ tells a gap behind a host sync or a host-bound stretch from one inside a layer. 
 kernels (the union of their intervals), of the all-to-all ones among them (``torch.distributed.all_to_all_single``
 runs as NCCL's grouped sends and receives, ``ncclDevKernel_SendRecv``), and the share of the all-to-all time during
 which a compute kernel (any kernel but NCCL's; copies and memsets are not compute) runs beside it on the same GPU:
-the all-to-all time that expert-parallel overlap hides. Each is also given per iteration window: the profiler's
-steps (``ProfilerStep#N``) split the GPU timeline where the first GPU event that a step launched starts. The
-profiled iterations, the profiler's warm-up iteration before them and the last iteration (the trace is written at
-its start) are left out of the run's timing statistics.
+the all-to-all time that expert-parallel overlap hides; the NCCL all-gather time (the expert-parallel plan's sizes
+exchange: a rank's GPU waits in it for the slowest rank's host). The host: the time its threads wait for
+the GPU in synchronizing CUDA calls (little of it beside much GPU idle: the host paces the run). Each is also given
+per iteration window: the profiler's steps (``ProfilerStep#N``) split the GPU timeline where the first GPU event
+that a step launched starts. The profiled iterations, the profiler's warm-up iteration before them and the last
+iteration (the trace is written at its start) are left out of the run's timing statistics.
 """
 
 from __future__ import annotations
@@ -181,6 +183,24 @@ def is_nccl(name: str) -> bool:
     return name.removeprefix("void ").startswith(NCCL_PREFIX)  # a demangled template kernel names its return type
 
 
+def is_all_gather(name: str) -> bool:
+    return is_nccl(name) and "allgather" in name.lower()
+
+
+# CUDA runtime calls in which the host thread waits for the GPU (a cudaMemcpy without Async returns when done).
+HOST_WAITS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
+
+
+def host_wait_us(events: list[dict]) -> float:
+    """Time the host threads (the main one and autograd's, which launches the backward) spend waiting for the GPU in
+    ``HOST_WAITS`` calls: little of it beside much GPU idle means the host, not the GPU, paces the run."""
+    return sum(
+        e["dur"]
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver") and e["name"] in HOST_WAITS
+    )
+
+
 def is_all_to_all(name: str) -> bool:
     lower = name.lower()
     return is_nccl(name) and any(marker in lower for marker in ALL_TO_ALL_MARKERS)
@@ -194,12 +214,13 @@ def comm_unions(gpu: list[dict]) -> dict[str, list[list[Interval]]]:
     for e in gpu:
         if e["cat"] == "kernel":
             kernels_by_gpu[e.get("pid")].append(e)
-    out: dict[str, list[list[Interval]]] = {"nccl": [], "all_to_all": [], "all_to_all_hidden": []}
+    out: dict[str, list[list[Interval]]] = {"nccl": [], "all_to_all": [], "all_to_all_hidden": [], "all_gather": []}
     for kernels in kernels_by_gpu.values():
         spans = [(e["name"], (e["ts"], e["ts"] + e["dur"])) for e in kernels]
         all_to_all = union(iv for name, iv in spans if is_all_to_all(name))
         compute = union(iv for name, iv in spans if not is_nccl(name))
         out["nccl"].append(union(iv for name, iv in spans if is_nccl(name)))
+        out["all_gather"].append(union(iv for name, iv in spans if is_all_gather(name)))
         out["all_to_all"].append(all_to_all)
         out["all_to_all_hidden"].append(intersect(all_to_all, compute))
     return out
@@ -266,6 +287,7 @@ def comm_summary(events: list[dict], gpu: list[dict], iterations: int) -> dict:
     per_iter_ms = 1e-3 / iterations
     return {
         "nccl_ms": total["nccl"] * per_iter_ms,
+        "all_gather_ms": total["all_gather"] * per_iter_ms,
         "all_to_all_ms": total["all_to_all"] * per_iter_ms,
         "all_to_all_hidden_ms": total["all_to_all_hidden"] * per_iter_ms,
         "all_to_all_hidden_share": total["all_to_all_hidden"] / total["all_to_all"] if total["all_to_all"] else None,
@@ -310,6 +332,7 @@ def summarize_trace(path: str, iterations: int) -> dict:
         "trace": path,
         "busy_ms": busy * per_iter_ms,
         "idle_ms": (end - start - busy) * per_iter_ms,
+        "host_wait_ms": host_wait_us(events) * per_iter_ms,
         **comm_summary(events, gpu, iterations),
         "families_ms": {k: v * per_iter_ms for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": n, "ms": t * per_iter_ms, "calls": c / iterations} for n, (t, c) in top],
@@ -317,12 +340,12 @@ def summarize_trace(path: str, iterations: int) -> dict:
     }
 
 
-COMM_COLUMNS = ("nccl_ms", "all_to_all_ms", "all_to_all_hidden_share")
+COMM_COLUMNS = ("host_wait_ms", "nccl_ms", "all_gather_ms", "all_to_all_ms", "all_to_all_hidden_share")
 
 
 def table_rows(rows: list[dict]) -> tuple[list[dict], list[str]]:
-    """One flat row per profiled provider (busy, idle, NCCL and all-to-all ms and the all-to-all's hidden share,
-    each family's ms per iteration) and its columns."""
+    """One flat row per profiled provider (busy, idle, host wait, NCCL, all-gather and all-to-all ms and the
+    all-to-all's hidden share, each family's ms per iteration) and its columns."""
     fams = [f for f, _ in FAMILIES] + [COPIES, MEMSETS, OTHER]
     out = []
     for r in rows:
@@ -347,7 +370,8 @@ def _share_text(share: float | None) -> str:
 def summary_text(prof: dict) -> str:
     """The communication part of a provider's summary line, per iteration."""
     return (
-        f"GPU idle {prof['idle_ms']:.2f} ms/iter, NCCL {prof['nccl_ms']:.2f} ms/iter, all-to-all "
+        f"GPU idle {prof['idle_ms']:.2f} ms/iter, host waiting for the GPU {prof['host_wait_ms']:.2f} ms/iter, "
+        f"NCCL {prof['nccl_ms']:.2f} ms/iter (all-gather {prof['all_gather_ms']:.2f}), all-to-all "
         f"{prof['all_to_all_ms']:.2f} ms/iter ({_share_text(prof['all_to_all_hidden_share'])})"
     )
 
