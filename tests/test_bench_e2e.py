@@ -894,7 +894,7 @@ def _comm_trace_events() -> list:
         | {"args": {"correlation": 11}},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 610, "dur": 1, "pid": 9, "tid": 1}
         | {"args": {"correlation": 12}},
-        # host waits on two threads: 40 + 20 + 90 us (an asynchronous copy is no wait)
+        # host waits: two calls on the launching thread, one on another thread (an asynchronous copy is no wait)
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaEventSynchronize", "ts": 300, "dur": 40, "pid": 9, "tid": 1},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpy", "ts": 620, "dur": 20, "pid": 9, "tid": 1},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 640, "dur": 5, "pid": 9, "tid": 1},
