@@ -120,7 +120,8 @@ def recv_metadata(
     that stage's slice of the receive buffer; ``slot_rows``: C for rows in slots, ``slots.py``, else 0). Built
     ONCE for all stages -- experts (chunk, local expert), N*L of them, so stage i's expert-sorted rows are exactly
     its pair range -- then shifted per stage (5 int32 ops a stage). ``stages``: per stage, its pairs [q0, q1)
-    and rows [u0, u1) in the receive buffers. ``pair_base``: the column of the first pair count in ``incoming.counts_PW``."""
+    and rows [u0, u1) in the receive buffers. ``pair_base``: the column of the first pair count in
+    ``incoming.counts_PW``."""
     L = num_local_experts
     row_Q, key_Q, token_offsets = _recv_rows_keys(
         incoming.meta_QC(),
