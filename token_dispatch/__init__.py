@@ -37,7 +37,8 @@ Modules: options (``EPOptions``), engine (one micro-batch's forward and backward
 combine), front-ends layer (one autograd node) and stepwise (Megatron's method split); plan
 (``EPPlan``/``make_plan``, decides rounding) from send_side (+ triton_send), sizes (the one counts exchange),
 recv_side (+ triton_recv) and slots (rows sent before the sync); rounding (+ triton_round), exchange (row
-movement), comm (collectives), validation (header), wgrad (deferral), launch_count (host-work counter of ``bench layer --count-ops``).
+movement), comm (collectives), validation (header), wgrad (deferral), launch_count (host-work counter of
+``bench layer --count-ops``).
 """
 
 from .layer import expert_parallel_experts
