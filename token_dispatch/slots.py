@@ -59,9 +59,9 @@ class SlotLayout:
     token_idx: torch.Tensor
 
 
-def slot_layout(send_token_idx_R: torch.Tensor, rows_P: torch.Tensor, world_size: int, slots: int) -> SlotLayout:
-    """The slot of every send row from the send side (``send_side.SendSide``, one chunk): rows ordered by
-    destination, ``rows_P`` per destination, on the device (no host sync)."""
+def slot_layout_torch(send_token_idx_R: torch.Tensor, rows_P: torch.Tensor, world_size: int, slots: int):
+    """(pos_R, token_idx) of ``SlotLayout`` with PyTorch ops: the reference of (and the CPU path for) the one-launch
+    Triton kernel of ``triton_slots.py``."""
     P, C, device = world_size, slots, send_token_idx_R.device
     R = send_token_idx_R.numel()
     end_P = torch.cumsum(rows_P, 0)
@@ -71,7 +71,22 @@ def slot_layout(send_token_idx_R: torch.Tensor, rows_P: torch.Tensor, world_size
     pos_R = torch.where((dest < P) & (in_slot < C), dest * C + in_slot, P * C)
     token_idx = torch.zeros(P * C + 1, dtype=torch.int64, device=device)
     token_idx.scatter_(0, pos_R, send_token_idx_R)  # the row past the buffer takes the rest; cut off below
-    return SlotLayout(pos_R, token_idx[: P * C])
+    return pos_R, token_idx[: P * C]
+
+
+def slot_layout(send_token_idx_R: torch.Tensor, rows_P: torch.Tensor, world_size: int, slots: int) -> SlotLayout:
+    """The slot of every send row from the send side (``send_side.SendSide``, one chunk): rows ordered by
+    destination, ``rows_P`` per destination, on the device (no host sync). One Triton launch on CUDA
+    (``triton_slots.py``: this runs before the plan's sync, where host time paces the GPU), PyTorch's ops elsewhere;
+    the same int64 results."""
+    if send_token_idx_R.is_cuda:
+        try:
+            from .triton_slots import slot_layout_triton
+        except ImportError:  # no Triton: PyTorch's ops (same results)
+            pass
+        else:
+            return SlotLayout(*slot_layout_triton(send_token_idx_R, rows_P.contiguous(), world_size, slots))
+    return SlotLayout(*slot_layout_torch(send_token_idx_R, rows_P, world_size, slots))
 
 
 @dataclass(frozen=True)
