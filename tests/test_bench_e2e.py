@@ -899,6 +899,9 @@ def _comm_trace_events() -> list:
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpy", "ts": 620, "dur": 20, "pid": 9, "tid": 1},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 640, "dur": 5, "pid": 9, "tid": 1},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 400, "dur": 90, "pid": 9, "tid": 2},
+        # host ops: one around the first launch (counted once), one on the other thread
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 5, "dur": 20, "pid": 9, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 500, "dur": 8, "pid": 9, "tid": 2},
     ]
 
 
@@ -920,6 +923,8 @@ def test_profile_all_to_all_time_and_its_hidden_share(tmp_path):
     assert prof["all_to_all_hidden_ms"] == pytest.approx(0.06)
     assert prof["all_to_all_hidden_share"] == pytest.approx(0.48)
     assert prof["all_gather_ms"] == pytest.approx(0.03) and prof["host_wait_ms"] == pytest.approx(0.075)
+    # host ops less waits: thread 1 5-25, 300-340, 610-611, 620-645 less 60 waiting = 26; thread 2 8 (its 90 wait)
+    assert prof["host_ops_ms"] == pytest.approx(0.017)
     # busy 50-200, 300-450, 500-560, 650-680, 700-760 = 450 of 710 us
     assert prof["idle_ms"] == pytest.approx(0.13)
     step7, step8 = prof["per_iteration"]
@@ -942,9 +947,16 @@ def test_profile_all_to_all_time_and_its_hidden_share(tmp_path):
     assert step7["idle_ms"] + step8["idle_ms"] == pytest.approx(2 * prof["idle_ms"]), "the windows tile the trace"
     assert "all-to-all 0.12 ms/iter (48 % of it hidden behind compute)" in e2e_profile.summary_text(prof)
     rows, columns = e2e_profile.table_rows([{"provider": "sonic", "profile": prof}])
-    assert columns[3:8] == ["host_wait_ms", "nccl_ms", "all_gather_ms", "all_to_all_ms", "all_to_all_hidden_share"]
+    assert columns[3:9] == [
+        "host_wait_ms",
+        "host_ops_ms",
+        "nccl_ms",
+        "all_gather_ms",
+        "all_to_all_ms",
+        "all_to_all_hidden_share",
+    ]
     text = e2e_profile.summary_text(prof)
-    assert "host waiting for the GPU 0.07 ms/iter, NCCL 0.16 ms/iter (all-gather 0.03)" in text
+    assert "host waiting for the GPU 0.07 ms/iter (in other ops 0.02), NCCL 0.16 ms/iter (all-gather 0.03)" in text
     assert rows[0]["all_to_all_hidden_share"] == pytest.approx(0.48)
     assert e2e_profile.window_lines("sonic", prof)[1] == (
         "  sonic: step 8: 0.11 ms window, GPU idle 0.02 ms, NCCL 0.06 ms, all-to-all 0.05 ms (0 % of it hidden "

@@ -11,7 +11,9 @@ runs as NCCL's grouped sends and receives, ``ncclDevKernel_SendRecv``), and the 
 which a compute kernel (any kernel but NCCL's; copies and memsets are not compute) runs beside it on the same GPU:
 the all-to-all time that expert-parallel overlap hides; the NCCL all-gather time (the expert-parallel plan's sizes
 exchange: a rank's GPU waits in it for the slowest rank's host). The host: the time its threads wait for
-the GPU in synchronizing CUDA calls (little of it beside much GPU idle: the host paces the run). Each is also given
+the GPU in synchronizing CUDA calls, and the time they spend in host ops otherwise (per thread, the union of its
+CPU ops and CUDA calls less those waits, summed over the threads: near the iteration's time, the host paces the run,
+and host time cut from a layer is time cut from the iteration). Each is also given
 per iteration window: the profiler's steps (``ProfilerStep#N``) split the GPU timeline where the first GPU event
 that a step launched starts. The profiled iterations, the profiler's warm-up iteration before them and the last
 iteration (the trace is written at its start) are left out of the run's timing statistics.
@@ -201,6 +203,23 @@ def host_wait_us(events: list[dict]) -> float:
     )
 
 
+def host_ops_us(events: list[dict]) -> float:
+    """Time the host threads spend in ops other than waits for the GPU: per thread, the union of its CPU ops, user
+    ranges (not the profiler's steps) and CUDA calls, less its ``HOST_WAITS`` calls, summed over the threads (the
+    main one runs the forward, autograd's the backward)."""
+    per_thread: dict = collections.defaultdict(list)
+    waits = 0.0
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver"):
+            continue
+        if e["cat"] == "user_annotation" and PROFILER_STEP.match(e["name"]):
+            continue
+        per_thread[(e.get("pid"), e.get("tid"))].append((e["ts"], e["ts"] + e["dur"]))
+        if e["name"] in HOST_WAITS and e["cat"] in ("cuda_runtime", "cuda_driver"):
+            waits += e["dur"]
+    return sum(length(union(spans)) for spans in per_thread.values()) - waits
+
+
 def is_all_to_all(name: str) -> bool:
     lower = name.lower()
     return is_nccl(name) and any(marker in lower for marker in ALL_TO_ALL_MARKERS)
@@ -333,6 +352,7 @@ def summarize_trace(path: str, iterations: int) -> dict:
         "busy_ms": busy * per_iter_ms,
         "idle_ms": (end - start - busy) * per_iter_ms,
         "host_wait_ms": host_wait_us(events) * per_iter_ms,
+        "host_ops_ms": host_ops_us(events) * per_iter_ms,
         **comm_summary(events, gpu, iterations),
         "families_ms": {k: v * per_iter_ms for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": n, "ms": t * per_iter_ms, "calls": c / iterations} for n, (t, c) in top],
@@ -340,7 +360,7 @@ def summarize_trace(path: str, iterations: int) -> dict:
     }
 
 
-COMM_COLUMNS = ("host_wait_ms", "nccl_ms", "all_gather_ms", "all_to_all_ms", "all_to_all_hidden_share")
+COMM_COLUMNS = ("host_wait_ms", "host_ops_ms", "nccl_ms", "all_gather_ms", "all_to_all_ms", "all_to_all_hidden_share")
 
 
 def table_rows(rows: list[dict]) -> tuple[list[dict], list[str]]:
@@ -370,7 +390,8 @@ def _share_text(share: float | None) -> str:
 def summary_text(prof: dict) -> str:
     """The communication part of a provider's summary line, per iteration."""
     return (
-        f"GPU idle {prof['idle_ms']:.2f} ms/iter, host waiting for the GPU {prof['host_wait_ms']:.2f} ms/iter, "
+        f"GPU idle {prof['idle_ms']:.2f} ms/iter, host waiting for the GPU {prof['host_wait_ms']:.2f} ms/iter "
+        f"(in other ops {prof['host_ops_ms']:.2f}), "
         f"NCCL {prof['nccl_ms']:.2f} ms/iter (all-gather {prof['all_gather_ms']:.2f}), all-to-all "
         f"{prof['all_to_all_ms']:.2f} ms/iter ({_share_text(prof['all_to_all_hidden_share'])})"
     )
