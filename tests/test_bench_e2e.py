@@ -925,6 +925,18 @@ def test_profile_all_to_all_time_and_its_hidden_share(tmp_path):
     assert prof["all_gather_ms"] == pytest.approx(0.03) and prof["host_wait_ms"] == pytest.approx(0.075)
     # host ops less waits: thread 1 5-25, 300-340, 610-611, 620-645 less 60 waiting = 26; thread 2 8 (its 90 wait)
     assert prof["host_ops_ms"] == pytest.approx(0.017)
+    # outermost host ops per thread (the launch inside aten::mm is not one), by time per iteration
+    top = {o["op"]: (o["ms"], o["calls"]) for o in prof["host_top_ops"]}
+    assert top == {
+        "cudaStreamSynchronize": (pytest.approx(0.045), 0.5),
+        "cudaEventSynchronize": (pytest.approx(0.02), 0.5),
+        "aten::mm": (pytest.approx(0.01), 0.5),
+        "cudaMemcpy": (pytest.approx(0.01), 0.5),
+        "aten::add": (pytest.approx(0.004), 0.5),
+        "cudaMemcpyAsync": (pytest.approx(0.0025), 0.5),
+        "cudaLaunchKernel": (pytest.approx(0.0005), 0.5),
+    }
+    assert [o["op"] for o in prof["host_top_ops"]][:2] == ["cudaStreamSynchronize", "cudaEventSynchronize"]
     # busy 50-200, 300-450, 500-560, 650-680, 700-760 = 450 of 710 us
     assert prof["idle_ms"] == pytest.approx(0.13)
     step7, step8 = prof["per_iteration"]
