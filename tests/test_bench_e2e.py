@@ -363,6 +363,19 @@ def test_microbatches_set_the_global_batch(tmp_path, capsys):
     assert e2e.last_flag_value(["--x"], "--global-batch-size") is None
 
 
+def test_pretrain_args_take_a_lone_flag_from_the_command_line(tmp_path, capsys):
+    """``--pretrain-args --one-flag`` (no space inside the value, so argparse would read it as an option of ours)
+    reaches every provider's command through the command line's entry point, as does ``--pretrain-args=...``."""
+    mlm = _fake_megatron_lm(tmp_path)
+    for words in (["--pretrain-args", "--use-distributed-optimizer"], ["--pretrain-args=--use-distributed-optimizer"]):
+        argv = ["bench", "e2e", "--megatron-lm", str(mlm), "--nproc", "1", "--providers", "sonic,grouped", "--dry-run"]
+        assert cli.main(argv + words) == 0
+        commands = _dry_run_commands(capsys.readouterr().out)
+        assert sorted(commands) == ["grouped", "sonic"]
+        assert all(cmd.count("--use-distributed-optimizer") == 1 for cmd in commands.values())
+    assert cli.glue_command_line_values(["--pretrain-args"]) == ["--pretrain-args"]
+
+
 def test_overlap_ep_comm_flags_and_connections(tmp_path, capsys, monkeypatch):
     """--overlap-ep-comm: Megatron's --overlap-moe-expert-parallel-comm in every provider's command (and
     --print-flags) and CUDA_DEVICE_MAX_CONNECTIONS=32 in every provider's environment; without it neither flag and
