@@ -35,7 +35,8 @@ too; ``--profile N`` adds each provider's NCCL and all-to-all kernel time and th
 that compute kernels hide.
 
 This file holds the configs, providers, arguments and flags and runs them; ``e2e_launch.py`` runs one launcher,
-``e2e_log.py`` reads its log, ``e2e_compare.py`` compares the rows and ``e2e_profile.py`` reads a profile.
+``e2e_log.py`` reads its log, ``e2e_compare.py`` compares the rows, ``e2e_profile.py`` reads a profile and
+``e2e_frames.py`` splits one with Python frames by layer.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import sys
 import time
 
 from ..config import ROUNDING_MODES
-from . import e2e_profile
+from . import e2e_frames, e2e_profile
 from .e2e_compare import add_ratios, seed_ratios
 from .e2e_launch import log_excerpt, progress_printer, run_logged, shell_line, torchrun_command
 from .e2e_log import logged_global_batch, parse_log, summarize
@@ -202,6 +203,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "compute kernels (also per iteration window), time per kernel family and idle time per launching host op, "
         "per iteration; those iterations, the profiler's warm-up one and the last one are not timed (default 0: off)",
     )
+    parser.add_argument(
+        "--profile-stacks",
+        action="store_true",
+        help="with --profile: record the Python frames around every op (Megatron's "
+        "--pytorch-profiler-collect-callstack; it slows the profiled iterations' hosts) and report each provider's "
+        "kernel time by layer (the MoE layers' and the rest's, NCCL apart) and the MoE frames with the most host time",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print each provider's command and stop")
     parser.add_argument(
         "--print-flags",
@@ -283,6 +291,8 @@ def validate(args: argparse.Namespace, *, gpu_count: int) -> tuple[Shape, list[s
             f"profiler's warm-up one and the last one are not timed), got --profile {args.profile} "
             f"--iters {args.iters} --warmup {args.warmup}"
         )
+    if args.profile_stacks and not args.profile:
+        raise ValueError("--profile-stacks: needs --profile N (the profiled iterations whose frames it records)")
     return shape, providers, nproc
 
 
@@ -584,7 +594,9 @@ def run(args: argparse.Namespace) -> int:
             i = s_index * len(providers) + p_index + 1
             suffix = f"-seed{seed}" if len(seeds) > 1 else ""
             log_path = os.path.join(log_dir, f"e2e-{args.config}-{name}{suffix}.log")
-            extra = e2e_profile.megatron_flags(args.iters, args.profile, profile_dir(log_path)) if args.profile else []
+            extra = []
+            if args.profile:
+                extra = e2e_profile.megatron_flags(args.iters, args.profile, profile_dir(log_path), args.profile_stacks)
             cmd = torchrun_command(pretrain_gpt, nproc, flags + provider_flags(name) + extra)
             env = provider_env(name, args.megatron_lm, dict(os.environ), overlap_ep_comm=args.overlap_ep_comm)
             if args.dry_run:
@@ -648,6 +660,9 @@ def run(args: argparse.Namespace) -> int:
         for r in rows:
             for op in (r.get("profile") or {}).get("host_top_ops", [])[:8]:
                 print(f"  {r['provider']}: host {op['ms']:.2f} ms/iter in {op['calls']:.0f} calls of {op['op']}")
+        for r in rows:
+            for line in e2e_frames.summary_lines(r["provider"], r.get("profile") or {}):
+                print(line)
     write_json(
         args.json,
         {

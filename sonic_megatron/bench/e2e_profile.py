@@ -57,15 +57,17 @@ PROFILER_STEP = re.compile(r"ProfilerStep#(\d+)")
 Interval = tuple[float, float]
 
 
-def megatron_flags(iters: int, last: int, tensorboard_dir: str) -> list[str]:
+def megatron_flags(iters: int, last: int, tensorboard_dir: str, stacks: bool = False) -> list[str]:
     """pretrain_gpt.py flags that profile ``last`` iterations, iters - last .. iters - 1, and write the trace under
     ``tensorboard_dir``/../torch_profile. Megatron steps its profiler at the start of each iteration: it warms up
-    during the iteration before the window and writes the trace at the start of the run's last iteration."""
+    during the iteration before the window and writes the trace at the start of the run's last iteration.
+    ``stacks``: with the Python frames around every op (``e2e_frames.py``)."""
     start = iters - last
     return [
         *("--profile", "--use-pytorch-profiler"),
         *("--profile-step-start", str(start), "--profile-step-end", str(start + last)),
         *("--tensorboard-dir", tensorboard_dir),
+        *(("--pytorch-profiler-collect-callstack",) if stacks else ()),
     ]
 
 
@@ -386,7 +388,15 @@ def summarize_trace(path: str, iterations: int) -> dict:
         "top_kernels": [{"name": n, "ms": t * per_iter_ms, "calls": c / iterations} for n, (t, c) in top],
         "idle_by_launcher": [{"launcher": n, "ms": t * per_iter_ms, "gaps": c / iterations} for n, (t, c) in gaps],
         "host_top_ops": host_top_ops(events, iterations),
+        **frames_summary(events, gpu, iterations),
     }
+
+
+def frames_summary(events: list[dict], gpu: list[dict], iterations: int) -> dict:
+    """Kernels by layer and host frames where the trace has Python frames (``e2e_frames.py``)."""
+    from . import e2e_frames  # it reads this module's interval helpers
+
+    return e2e_frames.frames_summary(events, gpu, iterations)
 
 
 COMM_COLUMNS = ("host_wait_ms", "host_ops_ms", "nccl_ms", "all_gather_ms", "all_to_all_ms", "all_to_all_hidden_share")
