@@ -25,9 +25,9 @@ What keeps QuACK's path: a launch whose arguments hold a tensor that is none of 
 allocated it), an int that looks like a device pointer, or not exactly one compiled-kernel call (the signature
 is then never cached); and, for this call only, inputs that alias each other or are empty, or an ambiguous
 permutation (a later call records instead). Results are bitwise the same either way: the same kernel on the same
-arguments (tests/test_cute_gpu.py). Which QuACK functions are spied and how its per-call scheduler options are
-rebuilt is QuACK-specific: ``kernels/cute/quack_adapter.py`` builds the cache for QuACK; the code here names
-nothing of QuACK (tests/test_launch_cache.py runs it against a QuACK-like fake on the CPU).
+arguments. The code here names nothing of QuACK (tests/test_launch_cache.py runs it against a QuACK-like fake on
+the CPU). Not used by the cute backend with QuACK 0.6: recording needs QuACK's compile functions replaced for one
+call, which ``kernels/cute/quack_adapter.py`` no longer does (its docstring says why).
 """
 
 from __future__ import annotations

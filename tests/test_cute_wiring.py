@@ -1,22 +1,22 @@
 """kernels/cute on the CPU against a fake QuACK: which QuACK entry point each tuning calls, with which tile
-config and tile scheduler, and that the adapter installs the SM budget. The numerics are GPU-only
-(tests/test_cute_gpu.py); this checks the wiring of ops.py, configs.py and quack_adapter.py where no GPU is."""
+config and tile scheduler, and that importing the adapter assigns nothing in QuACK's modules and writes no
+environment variable. The numerics are GPU-only (tests/test_cute_gpu.py); this checks the wiring of ops.py,
+configs.py and quack_adapter.py where no GPU is."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import os
 import sys
 import types
-from typing import NamedTuple
+import warnings
 
 import pytest
 import torch
-from sonic_megatron.kernels import options
+from sonic_megatron.kernels import backends, options
 from sonic_megatron.kernels.options import KernelOptions, set_kernel_options
 from sonic_megatron.kernels.sm_reservation import reserve_sms
-
-SMS = 132
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,14 +31,7 @@ class _GemmConfig:  # the fields of quack.gemm_config.GemmConfig that ops.py and
     tile_k: int | None = None
     max_swizzle_size: int = 8
     use_tma_gather: bool = False
-
-
-class _SchedulerOptions(NamedTuple):
-    max_active_clusters: object
-    raster_order: int = 0
-    max_swizzle_size: int = 8
-    tile_count_semaphore: object = None
-    batch_idx_permute: object = None
+    split_k: int = 1
 
 
 def _fake_quack(calls: list) -> dict[str, types.ModuleType]:
@@ -47,9 +40,6 @@ def _fake_quack(calls: list) -> dict[str, types.ModuleType]:
         m.__dict__.update(attrs)
         return m
 
-    def max_clusters(cluster_size, *args, **kwargs):
-        return SMS // cluster_size
-
     def recorder(name, result=None):
         return lambda *args, **kwargs: calls.append((name, args, kwargs)) or result
 
@@ -57,29 +47,23 @@ def _fake_quack(calls: list) -> dict[str, types.ModuleType]:
     interface = module(
         "quack.gemm_interface",
         gemm_tuned=tuned(fn=recorder("gemm_tuned.fn")),
-        gemm_gated_tuned=tuned(fn=recorder("gemm_gated_tuned.fn")),
         gemm=recorder("gemm"),
         gemm_add_inplace=recorder("gemm_add_inplace"),
         gemm_gated=recorder("gemm_gated"),
         gemm_dgated=recorder("gemm_dgated", (None, None, torch.zeros(3))),
     )
     fakes = {
-        "cutlass": module("cutlass", Int32=lambda n: ("Int32", n)),
-        "quack.cute_dsl_utils": module("quack.cute_dsl_utils", get_max_active_clusters=max_clusters),
         "quack.gemm_config": module("quack.gemm_config", GemmConfig=_GemmConfig),
-        "quack.tile_scheduler": module("quack.tile_scheduler", TileSchedulerOptions=_SchedulerOptions),
         "quack.gemm_interface": interface,
-        "quack.gemm": module("quack.gemm", get_max_active_clusters=max_clusters, _compile_gemm=None),
-        "quack.gemm_act": module("quack.gemm_act", get_max_active_clusters=max_clusters, _compile_gemm_act=None),
-        "quack.gemm_dact": module(
-            "quack.gemm_dact",
-            get_max_active_clusters=max_clusters,
-            _compile_gemm_dact=None,
-            gemm_dact=recorder("gemm_dact"),
-        ),
     }
-    fakes["quack"] = module("quack", gemm_interface=interface, cute_dsl_utils=fakes["quack.cute_dsl_utils"])
+    fakes["quack"] = module("quack", gemm_interface=interface, gemm_config=fakes["quack.gemm_config"])
     return fakes
+
+
+def _attributes(fakes: dict[str, types.ModuleType]) -> dict:
+    return {name: dict(vars(m)) for name, m in fakes.items()} | {
+        "quack.gemm_interface.gemm_tuned": dict(vars(fakes["quack.gemm_interface"].gemm_tuned))
+    }
 
 
 @pytest.fixture
@@ -87,22 +71,25 @@ def cute(monkeypatch, tmp_path):
     """(kernels.cute.ops imported over a fake QuACK on a 'CUDA' machine, the list of QuACK calls); every module
     and setting is restored afterwards."""
     calls: list = []
-    for name, fake in _fake_quack(calls).items():
+    fakes = _fake_quack(calls)
+    for name, fake in fakes.items():
         monkeypatch.setitem(sys.modules, name, fake)
-    supported = {"quack-kernels": "0.4.1", "nvidia-cutlass-dsl": "4.4.2"}
+    supported = {"quack-kernels": "0.6.5", "nvidia-cutlass-dsl": "4.8.1"}
     real_version = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda name: supported.get(name) or real_version(name))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setenv("QUACK_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("QUACK_CACHE_AUTOTUNING", "1")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(options, "_resolved", KernelOptions())
+    monkeypatch.setattr(backends, "_warned", set())
     monkeypatch.delattr(sys.modules["sonic_megatron.kernels"], "cute", raising=False)
     names = ("sonic_megatron.kernels.cute", "sonic_megatron.kernels.cute.ops")
     names += ("sonic_megatron.kernels.cute.quack_adapter", "sonic_megatron.kernels.cute.configs")
     for name in names:
         monkeypatch.delitem(sys.modules, name, raising=False)
+    before = (_attributes(fakes), dict(os.environ))
     from sonic_megatron.kernels.cute import ops
 
+    ops.imported_over = before, (_attributes(fakes), dict(os.environ))  # read by the test of the import itself
     yield ops, calls
     for name in names:  # the modules imported over the fake
         sys.modules.pop(name, None)
@@ -120,37 +107,53 @@ def test_heuristic_tuning_launches_the_heuristic_tiles_through_the_cache(cute):
     ops._gemm("down", 32, 16, A, B, out, cu_seqlens_m=cu)
     name, _, kwargs = calls[-1]
     assert name == "gemm_tuned.fn" and kwargs["config"] == ops.heuristic_config("down", 32, 16)
-    assert kwargs["dynamic_scheduler"] is False and kwargs["cu_seqlens_m"] is cu
-    assert ops.quack_adapter.LAUNCHES.stats["slow"] == 1  # through the launch cache (the fake compiles nothing)
+    assert kwargs["dynamic_scheduler"] is False and kwargs["cu_seqlens_m"] is cu and kwargs["C"] is None
+    ops._gemm("dw1", 32, 16, A, B, out, cu_seqlens_k=cu, concat_layout=("out",), add_to_output=True)
+    _, args, kwargs = calls[-1]
+    assert args[2] is out and kwargs["C"] is out and kwargs["concat_layout"] == ("out", "C")
     ops._gemm_gated(32, A, B, out, out, "swiglu", cu, None)
-    assert calls[-1][0] == "gemm_gated_tuned.fn" and calls[-1][2]["concat_layout"] == ("B",)
+    name, _, kwargs = calls[-1]
+    assert name == "gemm_gated" and kwargs["concat_layout"] == ("B",) and kwargs["tuned"] is False
+    assert kwargs["config"] == ops.heuristic_config("up", 32, 16) and kwargs["store_preact"] is True
     dS = ops._gemm_dgated(32, A, B, out, out, out, torch.ones(8), "swiglu", cu, torch.arange(8))
     name, args, kwargs = calls[-1]
-    assert name == "gemm_dact" and kwargs["colvec_reduce"].shape == (8, 1) and dS.shape == (8,)
+    assert name == "gemm_dgated" and kwargs["colvec_reduce"] is True and kwargs["tuned"] is False
+    assert kwargs["config"] == ops.heuristic_config("dh", 32, 16) and dS.shape == (3,)  # QuACK's [2]
 
 
 def test_launches_past_the_reservation_use_the_dynamic_scheduler(cute):
     ops, calls = cute
     A, B, out, cu = _operands()
-    with reserve_sms(16, gemms=1):
-        for _ in range(2):
-            ops._gemm("down", 32, 16, A, B, out, cu_seqlens_m=cu)
-            sys.modules["quack.gemm"].get_max_active_clusters(2)  # what QuACK's path calls: takes the reservation
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        with reserve_sms(16, gemms=1):
+            for _ in range(2):
+                ops._gemm("down", 32, 16, A, B, out, cu_seqlens_m=cu)
     (_, _, first), (_, _, second) = calls[-2:]
     assert not first["dynamic_scheduler"] and not first["config"].is_dynamic_persistent
     assert second["dynamic_scheduler"] and second["config"].is_dynamic_persistent
+    # QuACK's public interface takes no grid size: the reservation is not applied, and the user is told once
+    assert not ops.quack_adapter.sm_budget_applies()
+    assert len(warned) == 1 and "takes no grid size" in str(warned[0].message)
 
 
-def test_the_sm_budget_is_installed_in_the_three_gemm_modules(cute):
+def test_importing_the_adapter_assigns_nothing_in_quack_and_writes_no_environment(cute):
     ops, _ = cute
-    for name in ("quack.gemm", "quack.gemm_act", "quack.gemm_dact"):
-        with reserve_sms(16):
-            assert sys.modules[name].get_max_active_clusters(2) == SMS // 2 - 8, name
-        assert sys.modules[name].get_max_active_clusters(2) == SMS // 2, name
-    with reserve_sms(16, gemms=1):
-        recorded = _SchedulerOptions(max_active_clusters=None, raster_order=3)
-        got = ops.quack_adapter._scheduler_now(recorded, (2, None))
-        assert got == _SchedulerOptions(("Int32", SMS // 2 - 8), 3)
+    (attributes, environ), (attributes_after, environ_after) = ops.imported_over
+    assert attributes_after == attributes
+    assert environ_after == environ
+
+
+def test_other_gpus_take_quacks_default_config_under_the_heuristic_tuning(cute, monkeypatch):
+    """Off Hopper (e.g. Blackwell, sm_100) the Hopper-measured tiles are not used: QuACK's public functions pick
+    their kernels and default config by the device's compute capability."""
+    ops, calls = cute
+    A, B, out, cu = _operands()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    ops._gemm("down", 32, 16, A, B, out, cu_seqlens_m=cu)
+    assert calls[-1][0] == "gemm" and calls[-1][2]["tuned"] is False
+    ops._gemm_gated(32, A, B, out, out, "swiglu", cu, None)
+    assert calls[-1][0] == "gemm_gated" and calls[-1][2]["tuned"] is False and "config" not in calls[-1][2]
 
 
 @pytest.mark.parametrize("tuning", ["autotune", "default"])

@@ -1,153 +1,103 @@
-"""Every use of QuACK's and CuTe-DSL's internals, in one place, checked against the tested versions.
+"""Every call into QuACK, in one place, through QuACK's public ``quack.gemm_interface``, checked against the
+supported version range.
 
-``ops.py`` calls QuACK's public ``quack.gemm_interface`` functions (the ``autotune`` and ``default`` tunings) and,
-under the ``heuristic`` tuning, the three launch functions here, which reach below that interface:
+``ops.py`` calls QuACK's ``gemm`` / ``gemm_add_inplace`` / ``gemm_gated`` / ``gemm_dgated`` itself under the
+``autotune`` and ``default`` tunings; under ``heuristic`` it calls the three functions here, which pass a given
+``GemmConfig``:
 
-- ``gemm`` / ``gemm_gated`` / ``gemm_dgated`` run a GEMM with a given ``GemmConfig`` through the autotuner's
-  undecorated function (``gemm_tuned.fn``, ``gemm_gated_tuned.fn``) or ``quack.gemm_dact.gemm_dact``, and go
-  through ``LAUNCHES``: after a call signature's first call the compiled kernel is called directly with
-  arguments rebuilt from our tensors (``kernels/launch_cache.py``), which needs QuACK's compile-cache function
-  names and its scheduler options type (``TileSchedulerOptions``, rebuilt per call by ``_scheduler_now``);
-- the SM budget: QuACK 0.4.1 sizes a persistent GEMM's grid with ``get_max_active_clusters``, looked up at call
-  time in the modules of the three GEMM families we call (``quack.gemm``, ``quack.gemm_act``,
-  ``quack.gemm_dact``): a runtime argument of the compiled kernel, not part of its compile key. Importing this
-  module points those three names at a wrapper that subtracts the reservation of the calling context
-  (``kernels/sm_reservation.py``: ``reserve_sms(n, gemms=k)``) and leaves QuACK's value untouched outside it.
-  The tiles are the same, only how many CTAs share them changes: results are bitwise equal;
-- QuACK's compile cache: it keeps compiled kernels and autotuning results under ``QUACK_CACHE_DIR``, read when
-  QuACK is imported; unless the caller set it, it is pointed at ``KernelOptions.cache_folder()``
-  (``SONIC_MEGATRON_CACHE_DIR``), so a restarted job loads kernels instead of compiling them again.
+- ``gemm``: ``gemm_tuned.fn``, the autotuner's undecorated function (QuACK's ``gemm`` takes no config), with our
+  output as its C operand when adding into it;
+- ``gemm_gated`` / ``gemm_dgated``: QuACK's public functions of those names, which take ``config=``.
 
-These depend on QuACK's and CuTe-DSL's private structure, so importing this module first checks the installed
-versions against ``SUPPORTED`` and raises ``UnsupportedVersionError`` (an ImportError: ``backend="auto"`` then
-falls back to ``torch`` with a warning that says why) naming the package, the found and the supported version.
+What the project no longer does with QuACK (each needed internals that QuACK 0.6 changed or hides):
+
+- no SM budget inside QuACK: QuACK 0.6 sizes a persistent GEMM's grid once per launch plan (cached per tensor
+  metadata, built with ``get_max_active_clusters``) and takes no grid argument, so ``reserve_sms(n > 0)`` cannot
+  shrink its grid from outside. ``sm_budget_applies()`` says so; ``ops.py`` warns once when a reservation reaches
+  a launch (the launches past it still take the dynamic tile scheduler, which needs no grid change);
+- no launch replay: the compiled kernels were recorded by replacing QuACK's compile functions, which QuACK 0.6
+  no longer has under those names; its own launch plans replay a call whose tensors have the same metadata
+  (shapes included);
+- no cache folder: QuACK keeps compiled kernels under ``QUACK_CACHE_DIR`` (read when QuACK is imported; default
+  a folder under the system's temporary directory, kept across processes) and autotuning results under
+  ``QUACK_HOME``. Set them before the first import of the backend to move them.
+
+Importing this module checks the installed versions against ``SUPPORTED`` first and raises
+``UnsupportedVersionError`` (an ImportError: ``backend="auto"`` then falls back to ``torch`` with a warning that
+says why) naming the package, the installed and the supported versions.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
 import importlib.metadata
-import os
+import re
 
 import torch
 
-from ..launch_cache import LaunchCache
-from ..options import kernel_options
-from ..sm_reservation import budgeted_clusters, take_reservation
-
-SUPPORTED = (("quack-kernels", "0.4.1"), ("nvidia-cutlass-dsl", "4.4.2"))  # the tested pins (``hopper`` extra)
+# (package, lowest supported, first unsupported): the ``hopper`` extra's ranges
+SUPPORTED = (("quack-kernels", "0.6.5", "0.7"), ("nvidia-cutlass-dsl", "4.7", "4.9"))
 
 
 class UnsupportedVersionError(ImportError):
-    """An installed QuACK / CuTe-DSL version other than the tested one (or none)."""
+    """An installed QuACK / CuTe-DSL version outside the supported range (or none)."""
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The numeric release of a version string ("4.8.1" -> (4, 8, 1); "0.6.5.dev1" -> (0, 6, 5))."""
+    match = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(p) for p in match.group(0).split(".")) if match else ()
+
+
+def supported_range(lowest: str, first_unsupported: str) -> str:
+    return f">={lowest},<{first_unsupported}"
 
 
 def check_versions() -> None:
-    """Raise UnsupportedVersionError unless every package of ``SUPPORTED`` is installed at its version."""
-    for package, supported in SUPPORTED:
+    """Raise UnsupportedVersionError unless every package of ``SUPPORTED`` is installed within its range."""
+    installed = {}
+    for package, _, _ in SUPPORTED:
         try:
-            found = importlib.metadata.version(package)
+            installed[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
+            installed[package] = None
+    wanted = ", ".join(f"{p}{supported_range(lo, hi)}" for p, lo, hi in SUPPORTED)
+    found = ", ".join(f"{p} {v or 'not installed'}" for p, v in installed.items())
+    for package, lowest, first_unsupported in SUPPORTED:
+        version = installed[package]
+        if version is None:
             raise UnsupportedVersionError(
-                f"{package} is not installed; the cute backend supports {package}=={supported} (the hopper extra)"
-            ) from None
-        if found != supported:
+                f"{package} is not installed; the cute backend supports {wanted} (the hopper extra); found: {found}"
+            )
+        if not _release(lowest) <= _release(version) < _release(first_unsupported):
             raise UnsupportedVersionError(
-                f"{package} {found} is installed; the cute backend supports {package}=={supported} only (it uses "
-                "internals of QuACK and CuTe-DSL that change between versions; the hopper extra pins them)"
+                f"{package} {version} is installed; the cute backend supports {wanted} (the hopper extra); "
+                f"found: {found}"
             )
 
 
 check_versions()  # before importing QuACK: another version may fail to import in less clear ways
 if not torch.cuda.is_available():
     raise ImportError("the cute backend needs a CUDA build of torch and a GPU")
-os.environ.setdefault("QUACK_CACHE_DIR", kernel_options().cache_folder())  # QuACK reads both at import
-os.environ.setdefault("QUACK_CACHE_AUTOTUNING", "1")
 
-from cutlass import Int32  # noqa: E402
-from quack import cute_dsl_utils  # noqa: E402
 from quack import gemm_interface as qgemm  # noqa: E402
 from quack.gemm_config import GemmConfig  # noqa: E402
-from quack.gemm_dact import gemm_dact  # noqa: E402
-from quack.tile_scheduler import TileSchedulerOptions  # noqa: E402
 
-__all__ = ["LAUNCHES", "GemmConfig", "clusters_now", "gemm", "gemm_dgated", "gemm_gated"]
-
-# ----------------------------------------------------------------------------------------------------------
-# SM budget: QuACK's grid size less the reservation of the calling context
-# ----------------------------------------------------------------------------------------------------------
-
-_BUDGETED_MODULES = ("quack.gemm", "quack.gemm_act", "quack.gemm_dact")
+__all__ = ["GemmConfig", "gemm", "gemm_dgated", "gemm_gated", "sm_budget_applies"]
 
 
-def _install_sm_budget() -> None:
-    """Route the three QuACK GEMM modules' cluster count through the reservation (idempotent)."""
-    full = cute_dsl_utils.get_max_active_clusters
-
-    def get_max_active_clusters(cluster_size: int, *args, **kwargs) -> int:
-        return budgeted_clusters(full(cluster_size, *args, **kwargs), cluster_size, take_reservation())
-
-    get_max_active_clusters.sonic_megatron_budget = True
-    for name in _BUDGETED_MODULES:
-        module = importlib.import_module(name)
-        current = getattr(module, "get_max_active_clusters", None)
-        if current is None:
-            raise ImportError(f"{name} has no get_max_active_clusters: this QuACK version is not supported")
-        if not getattr(current, "sonic_megatron_budget", False):
-            module.get_max_active_clusters = get_max_active_clusters
-
-
-_install_sm_budget()
-
-
-def clusters_now(cluster_size: int) -> int:
-    """The grid (clusters) of a persistent GEMM launched now: QuACK's count less the reservation, which this call
-    takes (counts the launch). For the cached launches, which bypass QuACK's Python path."""
-    return budgeted_clusters(cute_dsl_utils.get_max_active_clusters(cluster_size), cluster_size, take_reservation())
+def sm_budget_applies() -> bool:
+    """Whether ``reserve_sms(n)`` shrinks the grid of the GEMMs launched inside: not with QuACK 0.6, whose public
+    interface takes no grid size (see the module docstring)."""
+    return False
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Launch cache: QuACK's compile-cache functions and its per-call scheduler options
+# GEMMs with a given tile config (``dynamic``: QuACK's dynamic persistent tile scheduler, which allocates and
+# zeroes its own tile counter per launch)
 # ----------------------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _int32(n: int):
-    return Int32(n)
-
-
-def _scheduler_now(recorded, ctx):
-    """QuACK's scheduler options of a cached launch, with this launch's grid size (SM reservation) and semaphore.
-    ``ctx`` = (CTAs per cluster, the dynamic tile scheduler's zeroed int32 counter or None)."""
-    cluster_size, semaphore = ctx
-    return TileSchedulerOptions(
-        _int32(clusters_now(cluster_size)),
-        recorded.raster_order,
-        recorded.max_swizzle_size,
-        None if semaphore is None else semaphore.data_ptr(),
-        recorded.batch_idx_permute,
-    )
-
-
-# The heuristic tuning's launches go through this cache, which costs less host time per GEMM than QuACK's Python
-# path (docs/PERF.md, "Expert parallelism"); the first call of a signature takes QuACK's own path and is recorded.
-LAUNCHES = LaunchCache(
-    (
-        ("quack.gemm", "_compile_gemm"),
-        ("quack.gemm_act", "_compile_gemm_act"),
-        ("quack.gemm_dact", "_compile_gemm_dact"),
-    ),
-    per_call={TileSchedulerOptions: _scheduler_now},
-)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# GEMMs with a given tile config (``semaphore``: the dynamic tile scheduler's zeroed counter, or None = static)
-# ----------------------------------------------------------------------------------------------------------
-
-
-def gemm(config, semaphore, A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx, concat_layout, add_to_output) -> None:
+def gemm(config, dynamic, A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx, concat_layout, add_to_output) -> None:
     """out = A @ B, or out += A @ B with ``add_to_output``: ``out`` is also QuACK's C operand, whose tile the
     epilogue loads (TMA), adds to the accumulator and stores back. Each element is read and written once, by the
     one tile that owns it, so the sum is deterministic. Chosen over QuACK's TMA reduce-add store (``add_to_output``
@@ -156,81 +106,52 @@ def gemm(config, semaphore, A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx, concat
     C = out if add_to_output else None
     if add_to_output and concat_layout and "out" in concat_layout:
         concat_layout = (*concat_layout, "C")  # C is the same interleaved view as out
-
-    def quack_path():
-        qgemm.gemm_tuned.fn(
-            A,
-            B,
-            out,
-            C=C,
-            cu_seqlens_m=cu_seqlens_m,
-            cu_seqlens_k=cu_seqlens_k,
-            A_idx=A_idx,
-            dynamic_scheduler=semaphore is not None,
-            config=config,
-            concat_layout=concat_layout,
-        )
-
-    site = ("gemm", id(config), concat_layout, add_to_output)  # configs are memoized: id() is stable
-    inputs = (A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx)  # C is out: rebuilt from the same input
-    # gemm sizes its grid by cluster_m * cluster_n * cluster_k
-    ctx = (config.cluster_m * config.cluster_n * config.cluster_k, semaphore)
-    LAUNCHES.launch(site, inputs, quack_path, ctx=ctx)
+    qgemm.gemm_tuned.fn(
+        A,
+        B,
+        out,
+        C=C,
+        cu_seqlens_m=cu_seqlens_m,
+        cu_seqlens_k=cu_seqlens_k,
+        A_idx=A_idx,
+        dynamic_scheduler=dynamic,
+        config=config,
+        concat_layout=concat_layout,
+    )
 
 
-def gemm_gated(config, semaphore, A, B, preact_out, postact_out, activation, cu_seqlens_m, A_idx) -> None:
+def gemm_gated(config, dynamic, A, B, preact_out, postact_out, activation, cu_seqlens_m, A_idx) -> None:
     """preact_out = A @ B (gate/up interleaved), postact_out = activation of it; B read through concat_layout."""
-
-    def quack_path():
-        qgemm.gemm_gated_tuned.fn(
-            A,
-            B,
-            preact_out,
-            postact_out,
-            activation=activation,
-            cu_seqlens_m=cu_seqlens_m,
-            A_idx=A_idx,
-            dynamic_scheduler=semaphore is not None,
-            config=config,
-            concat_layout=("B",),
-        )
-
-    inputs = (A, B, preact_out, postact_out, cu_seqlens_m, A_idx)
-    ctx = (config.cluster_m * config.cluster_n, semaphore)  # gemm_act's grid: cluster_m * cluster_n
-    LAUNCHES.launch(("gated", id(config), activation), inputs, quack_path, ctx=ctx)
+    qgemm.gemm_gated(
+        A,
+        B,
+        preact_out=preact_out,
+        postact_out=postact_out,
+        activation=activation,
+        cu_seqlens_m=cu_seqlens_m,
+        A_idx=A_idx,
+        store_preact=preact_out is not None,
+        dynamic_scheduler=dynamic,
+        tuned=False,
+        config=config,
+        concat_layout=("B",),
+    )
 
 
-def gemm_dgated(
-    config, semaphore, A, B, preact, dx_out, postact_out, colvec_scale, partial, activation, cu_seqlens_m, A_idx
-) -> None:
-    """The dgated GEMM (``gemm_dact``) with its colvec reduction's per-(row, N tile) partials written into
-    ``partial`` (allocated by the caller, so that the launch reads only the caller's tensors: cacheable)."""
-
-    def quack_path():
-        gemm_dact(
-            A,
-            B.mT,
-            dx_out,
-            preact,
-            postact_out,
-            semaphore,
-            activation,
-            config.tile_m,
-            config.tile_n,
-            config.cluster_m,
-            config.cluster_n,
-            tile_K=config.tile_k,
-            pingpong=config.pingpong,
-            persistent=True,
-            is_dynamic_persistent=semaphore is not None,
-            max_swizzle_size=config.max_swizzle_size,
-            colvec_scale=colvec_scale,
-            colvec_reduce=partial,
-            cu_seqlens_m=cu_seqlens_m,
-            A_idx=A_idx,
-            use_tma_gather=config.use_tma_gather,
-        )
-
-    inputs = (A, B, dx_out, preact, postact_out, colvec_scale, partial, cu_seqlens_m, A_idx)
-    ctx = (config.cluster_m * config.cluster_n, semaphore)  # gemm_dact's grid: cluster_m * cluster_n
-    LAUNCHES.launch(("dgated", id(config), activation), inputs, quack_path, ctx=ctx)
+def gemm_dgated(config, dynamic, A, B, preact, dx_out, postact_out, colvec_scale, activation, cu_seqlens_m, A_idx):
+    """The dgated GEMM; returns its colvec reduction per row (fp32): sum over f of postact * unscaled dout."""
+    return qgemm.gemm_dgated(
+        A,
+        B,
+        preact,
+        activation=activation,
+        dx_out=dx_out,
+        postact_out=postact_out,
+        colvec_scale=colvec_scale,
+        colvec_reduce=True,
+        cu_seqlens_m=cu_seqlens_m,
+        A_idx=A_idx,
+        dynamic_scheduler=dynamic,
+        tuned=False,
+        config=config,
+    )[2]
