@@ -16,7 +16,6 @@
 # default pass takes about 12 minutes.
 # E2E_EXTRA: more bench e2e flags for every phase (--dry-run prints the commands).
 #   bash scripts/gpu_ep_e2e.sh OUTDIR [MEGATRON_LM_DIR]     # MEGATRON_LM_DIR: python -m sonic_megatron.bench.megatron_lm
-#   bash scripts/device_pass.sh ep_e2e bash scripts/gpu_ep_e2e.sh "" .mlm   # OUTDIR "" = $OUT; packed into one archive
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:?usage: bash scripts/gpu_ep_e2e.sh OUTDIR [MEGATRON_LM_DIR] (or OUT set)}}

@@ -108,7 +108,7 @@ def driver() -> int:
         ("compare", _torchrun(4, __file__, "compare", "--out", out), 140),
         ("blockspec", [PY, __file__, "blockspec"], 30),
         ("graph", [PY, __file__, "graph", "--out", out], 150),
-        ("ckpt", _torchrun(4, "tests/megatron_ckpt_chain.py", "--out", out, port=29517), 60),
+        ("ckpt", _torchrun(4, "tests/megatron_ckpt_chain.py", "--out", out, port=29517), 150),
         ("overlap", _torchrun(4, "examples/pretrain_gpt_sonic.py", *overlap_args, "--overlap-moe-expert-parallel-comm",
                               "--json", os.path.join(out, "overlap.json")), 45),
         ("overlap_delay_wgrad", _torchrun(4, "examples/pretrain_gpt_sonic.py", *overlap_args,

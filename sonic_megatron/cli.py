@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import re
+import sys
 
 # :role:`target` (:role:`~a.b.c` shows as c, as Sphinx does), ``literal``, `quoted`.
 _ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`(~(?:[\w.]*\.)?)?([^`]+)`")
@@ -87,6 +88,21 @@ def _run_env(args: argparse.Namespace) -> int:
     return report()
 
 
+# Options whose value is itself a command line: argparse takes a lone flag after them ("--pretrain-args
+# --use-distributed-optimizer") for an option of ours and stops, so the value is glued on ("--pretrain-args=...").
+COMMAND_LINE_OPTIONS = ("--pretrain-args",)
+
+
+def glue_command_line_values(argv: list[str]) -> list[str]:
+    """``argv`` with each ``COMMAND_LINE_OPTIONS`` option and its next word joined as ``option=value``."""
+    out: list[str] = []
+    words = iter(argv)
+    for word in words:
+        value = next(words, None) if word in COMMAND_LINE_OPTIONS else None
+        out.append(word if value is None else f"{word}={value}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(glue_command_line_values(sys.argv[1:] if argv is None else argv))
     return int(args.func(args) or 0)

@@ -363,6 +363,19 @@ def test_microbatches_set_the_global_batch(tmp_path, capsys):
     assert e2e.last_flag_value(["--x"], "--global-batch-size") is None
 
 
+def test_pretrain_args_take_a_lone_flag_from_the_command_line(tmp_path, capsys):
+    """``--pretrain-args --one-flag`` (no space inside the value, so argparse would read it as an option of ours)
+    reaches every provider's command through the command line's entry point, as does ``--pretrain-args=...``."""
+    mlm = _fake_megatron_lm(tmp_path)
+    for words in (["--pretrain-args", "--use-distributed-optimizer"], ["--pretrain-args=--use-distributed-optimizer"]):
+        argv = ["bench", "e2e", "--megatron-lm", str(mlm), "--nproc", "1", "--providers", "sonic,grouped", "--dry-run"]
+        assert cli.main(argv + words) == 0
+        commands = _dry_run_commands(capsys.readouterr().out)
+        assert sorted(commands) == ["grouped", "sonic"]
+        assert all(cmd.count("--use-distributed-optimizer") == 1 for cmd in commands.values())
+    assert cli.glue_command_line_values(["--pretrain-args"]) == ["--pretrain-args"]
+
+
 def test_overlap_ep_comm_flags_and_connections(tmp_path, capsys, monkeypatch):
     """--overlap-ep-comm: Megatron's --overlap-moe-expert-parallel-comm in every provider's command (and
     --print-flags) and CUDA_DEVICE_MAX_CONNECTIONS=32 in every provider's environment; without it neither flag and
@@ -894,11 +907,14 @@ def _comm_trace_events() -> list:
         | {"args": {"correlation": 11}},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 610, "dur": 1, "pid": 9, "tid": 1}
         | {"args": {"correlation": 12}},
-        # host waits on two threads: 40 + 20 + 90 us (an asynchronous copy is no wait)
+        # host waits: two calls on the launching thread, one on another thread (an asynchronous copy is no wait)
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaEventSynchronize", "ts": 300, "dur": 40, "pid": 9, "tid": 1},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpy", "ts": 620, "dur": 20, "pid": 9, "tid": 1},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 640, "dur": 5, "pid": 9, "tid": 1},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 400, "dur": 90, "pid": 9, "tid": 2},
+        # host ops: one around the first launch (counted once), one on the other thread
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 5, "dur": 20, "pid": 9, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 500, "dur": 8, "pid": 9, "tid": 2},
     ]
 
 
@@ -920,6 +936,20 @@ def test_profile_all_to_all_time_and_its_hidden_share(tmp_path):
     assert prof["all_to_all_hidden_ms"] == pytest.approx(0.06)
     assert prof["all_to_all_hidden_share"] == pytest.approx(0.48)
     assert prof["all_gather_ms"] == pytest.approx(0.03) and prof["host_wait_ms"] == pytest.approx(0.075)
+    # host ops less waits: thread 1 5-25, 300-340, 610-611, 620-645 less 60 waiting = 26; thread 2 8 (its 90 wait)
+    assert prof["host_ops_ms"] == pytest.approx(0.017)
+    # outermost host ops per thread (the launch inside aten::mm is not one), by time per iteration
+    top = {o["op"]: (o["ms"], o["calls"]) for o in prof["host_top_ops"]}
+    assert top == {
+        "cudaStreamSynchronize": (pytest.approx(0.045), 0.5),
+        "cudaEventSynchronize": (pytest.approx(0.02), 0.5),
+        "aten::mm": (pytest.approx(0.01), 0.5),
+        "cudaMemcpy": (pytest.approx(0.01), 0.5),
+        "aten::add": (pytest.approx(0.004), 0.5),
+        "cudaMemcpyAsync": (pytest.approx(0.0025), 0.5),
+        "cudaLaunchKernel": (pytest.approx(0.0005), 0.5),
+    }
+    assert [o["op"] for o in prof["host_top_ops"]][:2] == ["cudaStreamSynchronize", "cudaEventSynchronize"]
     # busy 50-200, 300-450, 500-560, 650-680, 700-760 = 450 of 710 us
     assert prof["idle_ms"] == pytest.approx(0.13)
     step7, step8 = prof["per_iteration"]
@@ -942,9 +972,16 @@ def test_profile_all_to_all_time_and_its_hidden_share(tmp_path):
     assert step7["idle_ms"] + step8["idle_ms"] == pytest.approx(2 * prof["idle_ms"]), "the windows tile the trace"
     assert "all-to-all 0.12 ms/iter (48 % of it hidden behind compute)" in e2e_profile.summary_text(prof)
     rows, columns = e2e_profile.table_rows([{"provider": "sonic", "profile": prof}])
-    assert columns[3:8] == ["host_wait_ms", "nccl_ms", "all_gather_ms", "all_to_all_ms", "all_to_all_hidden_share"]
+    assert columns[3:9] == [
+        "host_wait_ms",
+        "host_ops_ms",
+        "nccl_ms",
+        "all_gather_ms",
+        "all_to_all_ms",
+        "all_to_all_hidden_share",
+    ]
     text = e2e_profile.summary_text(prof)
-    assert "host waiting for the GPU 0.07 ms/iter, NCCL 0.16 ms/iter (all-gather 0.03)" in text
+    assert "host waiting for the GPU 0.07 ms/iter (in other ops 0.02), NCCL 0.16 ms/iter (all-gather 0.03)" in text
     assert rows[0]["all_to_all_hidden_share"] == pytest.approx(0.48)
     assert e2e_profile.window_lines("sonic", prof)[1] == (
         "  sonic: step 8: 0.11 ms window, GPU idle 0.02 ms, NCCL 0.06 ms, all-to-all 0.05 ms (0 % of it hidden "

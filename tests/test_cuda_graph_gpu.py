@@ -6,19 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_kernels_helpers import require_cute
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def layer():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from sonic_megatron.kernels.interface import cute_unavailable_reason
-
-    reason = cute_unavailable_reason(torch.device("cuda"))
-    if reason is not None:
-        pytest.skip(reason)
+    require_cute()
     import torch.distributed as dist
 
     from sonic_megatron.testing import free_port, gpu_layer_inputs, init_distributed, init_model_parallel

@@ -14,17 +14,10 @@ import dataclasses
 import pytest
 import torch
 from sonic_megatron.kernels import FlatRouting, TopKRouting, moe_experts, moe_experts_reference
-from sonic_megatron.kernels.interface import compute_metadata, cute_unavailable_reason
+from sonic_megatron.kernels.interface import compute_metadata
+from test_kernels_helpers import require_cute
 
 pytestmark = pytest.mark.gpu
-
-
-def _require_cute():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    reason = cute_unavailable_reason(torch.device("cuda"))
-    if reason is not None:
-        pytest.skip(reason)
 
 
 def _poison(nbytes: int = 1 << 30) -> None:
@@ -137,13 +130,13 @@ SMALL = {
 
 @pytest.mark.parametrize("name", list(SMALL))
 def test_cute_matches_float64(name):
-    _require_cute()
+    require_cute()
     _check(_case(*SMALL[name]))
 
 
 @pytest.mark.parametrize("dtype,activation", [(torch.float16, "swiglu"), (torch.bfloat16, "geglu")])
 def test_cute_dtypes_and_activations(dtype, activation):
-    _require_cute()
+    require_cute()
     _check(_case(257, 256, 128, 8, 2, dtype=dtype, activation=activation, seed=1))
 
 
@@ -155,12 +148,12 @@ BENCH = {
 
 @pytest.mark.parametrize("name", list(BENCH))
 def test_cute_benchmark_shapes(name):
-    _require_cute()
+    require_cute()
     _check(_case(*BENCH[name], seed=2))
 
 
 def test_cute_bitwise_deterministic():
-    _require_cute()
+    require_cute()
     args = _case(4096, 512, 256, 32, 4, kind="hot", seed=3)
     a = _run("cute", *args)
     b = _run("cute", *args)
@@ -171,7 +164,7 @@ def test_cute_bitwise_deterministic():
 def test_reserve_sms_same_bits():
     """GEMMs inside ``reserve_sms`` give the same bits (QuACK 0.6 takes no grid size publicly, so the reservation
     only counts launches and warns; ``quack_adapter.sm_budget_applies``)."""
-    _require_cute()
+    require_cute()
     from sonic_megatron.kernels.cute import quack_adapter
     from sonic_megatron.kernels.cute.ops import reserve_sms
 
@@ -193,7 +186,7 @@ def test_dynamic_tile_scheduler_gives_the_same_bits(where, monkeypatch):
     reservation covers the forward only), or, test-only, in every launch (all six GEMM kinds). Output and every
     gradient equal the static scheduler's bitwise, at the first call and the later ones (QuACK allocates a fresh
     counter per launch: a stale one would skip tiles)."""
-    _require_cute()
+    require_cute()
     from sonic_megatron.kernels.cute import ops
 
     counters = []
@@ -225,7 +218,7 @@ def test_dynamic_tile_scheduler_gives_the_same_bits(where, monkeypatch):
 def test_other_tunings_match_float64(tuning):
     """``KernelOptions`` set in code: QuACK's untuned default config (its public interface), and the heuristic
     with a tile override (``SONIC_MEGATRON_CUTE_TILES``'s form) for two GEMMs."""
-    _require_cute()
+    require_cute()
     from sonic_megatron.kernels.options import kernel_options, set_kernel_options
 
     before = kernel_options()
@@ -240,7 +233,7 @@ def test_other_tunings_match_float64(tuning):
 
 
 def test_triton_metadata_matches_torch_on_gpu():
-    _require_cute()
+    require_cute()
     from sonic_megatron.kernels.routing import TopKRouting, compute_metadata_torch, flatten_routing
     from sonic_megatron.kernels.triton import compute_metadata_topk_triton, compute_metadata_triton
 
@@ -259,7 +252,7 @@ def test_triton_metadata_matches_torch_on_gpu():
 
 
 def test_cute_rejects_unsupported_inputs():
-    _require_cute()
+    require_cute()
     x, routing, w1, w2, *_ = _case(64, 256, 128, 4, 2)
     cases = [
         ((x, routing, w1, w2), {}, "x.dtype"),  # fp32
@@ -280,7 +273,7 @@ def test_cute_weight_grads_added_into_fp32_out(name, accumulate):
     after DDP zeroed its buffers). vs float64: acc0 + dW_ref (dW_ref when storing), within 2x the torch backend
     doing the same in bf16 (+ atol); experts without rows leave their accumulator bits untouched when adding and
     get zeros when storing; two runs bitwise equal."""
-    _require_cute()
+    require_cute()
     x, routing, w1, w2, dO, dtype, act = _case(*SMALL[name])
     ref = _run("reference", x, routing, w1, w2, dO, torch.float64, act)
     gen = torch.Generator().manual_seed(11)

@@ -16,6 +16,19 @@ import torch
 from sonic_megatron.kernels import GATED_ACTIVATIONS, FlatRouting, TopKRouting, moe_experts
 
 GRADS = ("dx", "dscores", "dw1", "dw2")
+
+
+def require_cute() -> None:
+    """Skip the calling test unless the cute backend runs here (a CUDA GPU it supports, its packages importable)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from sonic_megatron.kernels.interface import cute_unavailable_reason
+
+    reason = cute_unavailable_reason(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+
+
 OUTPUTS = ("out",) + GRADS
 
 

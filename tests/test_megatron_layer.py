@@ -74,3 +74,20 @@ def test_plugin_matches_stock(results, case, ep):
     for rank, res in enumerate(results):
         entry = res[f"{case}@ep{ep}"]
         assert not entry["failures"], f"rank {rank}: {entry['failures']}\n{entry.get('trace', entry.get('errors'))}"
+
+
+def test_the_precision_rule_fails_a_second_call_that_differs():
+    """``passes``: a layer whose second call differs from its first fails, whatever its errors; the float64 rule
+    reads every error but the repeat flag, the low-precision rule the bounds."""
+    from sonic_megatron.compare import passes
+
+    assert passes({"out": 0.0, "repeat_differs": 0.0}, torch.float64) == []
+    assert passes({"out": 0.0, "repeat_differs": 1.0}, torch.float64) == [
+        "the layer's second call differs from its first"
+    ]
+    assert passes({"out": 1e-9, "repeat_differs": 0.0}, torch.float64) == ["out: 1e-09"]
+    bound = {"out": (1e-3, 1e-3, 1.0)}
+    assert passes({"bound": bound, "repeat_differs": 0.0}, torch.float32) == []
+    assert passes({"bound": bound, "repeat_differs": 1.0}, torch.float32) == [
+        "the layer's second call differs from its first"
+    ]

@@ -193,8 +193,9 @@ def test_expert_ffn_not_divisible_by_the_expert_tensor_parallel_size_fails_namin
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _demo():
-    spec = importlib.util.spec_from_file_location("sonic_demo", ROOT / "examples" / "demo.py")
+def _example(filename: str):
+    """A script of examples/ imported as a module (its ``main`` not run)."""
+    spec = importlib.util.spec_from_file_location(f"sonic_example_{filename[:-3]}", ROOT / "examples" / filename)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -234,7 +235,7 @@ def test_demo_rejects_bad_arguments_before_starting_processes(argv, message, mon
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit) as info:
-        _demo().main(argv)
+        _example("demo.py").main(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -245,7 +246,7 @@ def test_demo_rejects_a_bad_environment_before_starting_processes(monkeypatch, c
     monkeypatch.setattr(sonic_megatron.testing, "spawn", lambda *a, **k: pytest.fail("processes started"))
     monkeypatch.setenv("SONIC_MEGATRON_TOKEN_ROUNDIN", "up")
     with pytest.raises(SystemExit):
-        _demo().main([])
+        _example("demo.py").main([])
     assert "did you mean SONIC_MEGATRON_TOKEN_ROUNDING?" in capsys.readouterr().err
 
 
@@ -253,9 +254,7 @@ def test_demo_rejects_a_bad_environment_before_starting_processes(monkeypatch, c
 def test_trainer_refuses_checkpoints_of_the_distributed_optimizer_over_torch_adam(flags, monkeypatch, capsys):
     """Megatron's distributed optimizer over torch's Adam (no Apex, no Transformer Engine) cannot reload its own
     checkpoints: the example trainer says so before anything starts, and only then (GPU machines)."""
-    spec = importlib.util.spec_from_file_location("sonic_trainer", ROOT / "examples" / "pretrain_gpt_sonic.py")
-    trainer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(trainer)
+    trainer = _example("pretrain_gpt_sonic.py")
     monkeypatch.setattr(trainer, "_distributed_optimizer_over_torch_adam", lambda: True)
     with pytest.raises(SystemExit) as info:
         trainer.parse_args(["--use-distributed-optimizer", *flags])

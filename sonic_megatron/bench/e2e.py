@@ -645,6 +645,9 @@ def run(args: argparse.Namespace) -> int:
             for gap in (r.get("profile") or {}).get("idle_by_launcher", [])[:8]:
                 where = f"in {gap['gaps']:.0f} gaps before {gap['launcher']}"
                 print(f"  {r['provider']}: idle {gap['ms']:.2f} ms/iter {where}")
+        for r in rows:
+            for op in (r.get("profile") or {}).get("host_top_ops", [])[:8]:
+                print(f"  {r['provider']}: host {op['ms']:.2f} ms/iter in {op['calls']:.0f} calls of {op['op']}")
     write_json(
         args.json,
         {

@@ -11,7 +11,10 @@ runs as NCCL's grouped sends and receives, ``ncclDevKernel_SendRecv``), and the 
 which a compute kernel (any kernel but NCCL's; copies and memsets are not compute) runs beside it on the same GPU:
 the all-to-all time that expert-parallel overlap hides; the NCCL all-gather time (the expert-parallel plan's sizes
 exchange: a rank's GPU waits in it for the slowest rank's host). The host: the time its threads wait for
-the GPU in synchronizing CUDA calls (little of it beside much GPU idle: the host paces the run). Each is also given
+the GPU in synchronizing CUDA calls, and the time they spend in host ops otherwise (per thread, the union of its
+CPU ops and CUDA calls less those waits, summed over the threads: near the iteration's time, the host paces the run,
+and host time cut from a layer is time cut from the iteration), with the outermost host ops that take the most of
+it. Each is also given
 per iteration window: the profiler's steps (``ProfilerStep#N``) split the GPU timeline where the first GPU event
 that a step launched starts. The profiled iterations, the profiler's warm-up iteration before them and the last
 iteration (the trace is written at its start) are left out of the run's timing statistics.
@@ -41,6 +44,7 @@ FAMILIES: tuple[tuple[str, Callable[[str], bool]], ...] = (
 COPIES, MEMSETS, OTHER = "copies", "memsets", "other"
 TOP_KERNELS = 15
 TOP_GAPS = 15  # idle charged per launching host op: the ops with the most idle time
+TOP_HOST_OPS = 15  # the outermost host ops with the most time
 UNKNOWN_LAUNCH = "(launch not in trace)"
 _MAX_WALK = 5000
 # NCCL's kernels: ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>), ncclDevKernel_AllGather_RING_LL(...),
@@ -201,6 +205,49 @@ def host_wait_us(events: list[dict]) -> float:
     )
 
 
+def _host_events_by_thread(events: list[dict]) -> dict:
+    """Per host thread (pid, tid), its CPU ops, user ranges (not the profiler's steps) and CUDA calls."""
+    per_thread: dict = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver"):
+            continue
+        if e["cat"] == "user_annotation" and PROFILER_STEP.match(e["name"]):
+            continue
+        per_thread[(e.get("pid"), e.get("tid"))].append(e)
+    return per_thread
+
+
+def host_top_ops(events: list[dict], iterations: int) -> list[dict]:
+    """The outermost host ops (per thread, an op inside no other op of its thread) with the most time, by name:
+    ms and calls per iteration (``_LocalExperts`` in the forward, ``autograd::engine::evaluate_function: ...`` in the
+    backward). Where the host paces the run, these are what to cut."""
+    totals: dict = collections.defaultdict(lambda: [0.0, 0])
+    for evs in _host_events_by_thread(events).values():
+        end = float("-inf")
+        for e in sorted(evs, key=lambda e: (e["ts"], -e["dur"])):
+            if e["ts"] >= end:
+                totals[e["name"]][0] += e["dur"]
+                totals[e["name"]][1] += 1
+                end = e["ts"] + e["dur"]
+    top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:TOP_HOST_OPS]
+    return [{"op": n, "ms": t * 1e-3 / iterations, "calls": c / iterations} for n, (t, c) in top]
+
+
+def host_ops_us(events: list[dict]) -> float:
+    """Time the host threads spend in ops other than waits for the GPU: per thread, the union of its CPU ops, user
+    ranges (not the profiler's steps) and CUDA calls, less its ``HOST_WAITS`` calls, summed over the threads (the
+    main one runs the forward, autograd's the backward)."""
+    per_thread = _host_events_by_thread(events)
+    waits = sum(
+        e["dur"]
+        for evs in per_thread.values()
+        for e in evs
+        if e["cat"] in ("cuda_runtime", "cuda_driver") and e["name"] in HOST_WAITS
+    )
+    spans = (union((e["ts"], e["ts"] + e["dur"]) for e in evs) for evs in per_thread.values())
+    return sum(length(u) for u in spans) - waits
+
+
 def is_all_to_all(name: str) -> bool:
     lower = name.lower()
     return is_nccl(name) and any(marker in lower for marker in ALL_TO_ALL_MARKERS)
@@ -333,14 +380,16 @@ def summarize_trace(path: str, iterations: int) -> dict:
         "busy_ms": busy * per_iter_ms,
         "idle_ms": (end - start - busy) * per_iter_ms,
         "host_wait_ms": host_wait_us(events) * per_iter_ms,
+        "host_ops_ms": host_ops_us(events) * per_iter_ms,
         **comm_summary(events, gpu, iterations),
         "families_ms": {k: v * per_iter_ms for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": n, "ms": t * per_iter_ms, "calls": c / iterations} for n, (t, c) in top],
         "idle_by_launcher": [{"launcher": n, "ms": t * per_iter_ms, "gaps": c / iterations} for n, (t, c) in gaps],
+        "host_top_ops": host_top_ops(events, iterations),
     }
 
 
-COMM_COLUMNS = ("host_wait_ms", "nccl_ms", "all_gather_ms", "all_to_all_ms", "all_to_all_hidden_share")
+COMM_COLUMNS = ("host_wait_ms", "host_ops_ms", "nccl_ms", "all_gather_ms", "all_to_all_ms", "all_to_all_hidden_share")
 
 
 def table_rows(rows: list[dict]) -> tuple[list[dict], list[str]]:
@@ -370,7 +419,8 @@ def _share_text(share: float | None) -> str:
 def summary_text(prof: dict) -> str:
     """The communication part of a provider's summary line, per iteration."""
     return (
-        f"GPU idle {prof['idle_ms']:.2f} ms/iter, host waiting for the GPU {prof['host_wait_ms']:.2f} ms/iter, "
+        f"GPU idle {prof['idle_ms']:.2f} ms/iter, host waiting for the GPU {prof['host_wait_ms']:.2f} ms/iter "
+        f"(in other ops {prof['host_ops_ms']:.2f}), "
         f"NCCL {prof['nccl_ms']:.2f} ms/iter (all-gather {prof['all_gather_ms']:.2f}), all-to-all "
         f"{prof['all_to_all_ms']:.2f} ms/iter ({_share_text(prof['all_to_all_hidden_share'])})"
     )
