@@ -162,13 +162,10 @@ def test_cute_bitwise_deterministic():
 
 
 def test_reserve_sms_same_bits():
-    """GEMMs inside ``reserve_sms`` give the same bits (QuACK 0.6 takes no grid size publicly, so the reservation
-    only counts launches and warns; ``quack_adapter.sm_budget_applies``)."""
+    """The layer inside ``reserve_sms`` gives the same bits (its default-epilogue GEMMs on fewer clusters)."""
     require_cute()
-    from sonic_megatron.kernels.cute import quack_adapter
     from sonic_megatron.kernels.cute.ops import reserve_sms
 
-    assert not quack_adapter.sm_budget_applies()
     args = _case(4096, 512, 256, 32, 4, kind="hot", seed=4)
     a = _run("cute", *args)
     with reserve_sms(40):
@@ -177,6 +174,47 @@ def test_reserve_sms_same_bits():
         assert torch.equal(a[name], b[name]), name
     with pytest.raises(ValueError, match="reserve_sms"), reserve_sms(-1):
         pass
+
+
+@pytest.mark.parametrize("gemm", ["down", "dx", "dw2"])
+def test_replayed_plans_equal_quacks_own_call(gemm):
+    """``quack_adapter.gemm`` replays QuACK's dispatch plan of a signature's first call (``replay_plan``, through
+    QuACK's warm-launch entry) at other sizes and, with ``reserved``, on fewer clusters: bitwise QuACK's own
+    ``gemm_tuned.fn`` at each size. Fails when QuACK changes that entry or what its plans hold."""
+    require_cute()
+    from quack import gemm_interface as qgemm
+    from sonic_megatron.kernels.cute import quack_adapter
+    from sonic_megatron.kernels.cute.configs import heuristic_config
+
+    E, F, D = 8, 256, 512
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    config = heuristic_config(gemm, F, D)
+    for rows in (1000, 4096, 333):  # the first records; the others replay
+        counts = torch.randint(0, 2 * rows // E, (E,), generator=gen, device="cuda")
+        cu = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
+        cu[1:] = counts.cumsum(0)
+        R = int(cu[-1])
+        if gemm == "down":  # A [R, F] x W2_e^T, varlen-M
+            A = torch.randn(R, F, device="cuda", dtype=torch.bfloat16, generator=gen)
+            B = (torch.randn(E, D, F, device="cuda", dtype=torch.bfloat16, generator=gen) / F**0.5).permute(0, 2, 1)
+            out_shape, kw = (R, D), dict(cu_seqlens_m=cu, cu_seqlens_k=None, A_idx=None, concat_layout=None)
+        elif gemm == "dx":  # dH [R, 2F] x W1_e through the concatenated layout, varlen-M
+            A = torch.randn(R, 2 * F, device="cuda", dtype=torch.bfloat16, generator=gen)
+            B = torch.randn(E, 2 * F, D, device="cuda", dtype=torch.bfloat16, generator=gen) / F**0.5
+            out_shape, kw = (R, D), dict(cu_seqlens_m=cu, cu_seqlens_k=None, A_idx=None, concat_layout=("B",))
+        else:  # dO^T gathered along K x A', varlen-K
+            T = rows
+            A = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=gen).t()
+            B = torch.randn(R, F, device="cuda", dtype=torch.bfloat16, generator=gen)
+            idx = torch.randint(0, T, (R,), generator=gen, device="cuda", dtype=torch.int32)
+            out_shape, kw = (E, D, F), dict(cu_seqlens_m=None, cu_seqlens_k=cu, A_idx=idx, concat_layout=None)
+        want = torch.empty(out_shape, device="cuda", dtype=torch.bfloat16)
+        qgemm.gemm_tuned.fn(A, B, want, dynamic_scheduler=False, config=config, **kw)
+        for reserved in (0, 40):
+            got = torch.full(out_shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+            quack_adapter.gemm(config, False, A, B, got, *kw.values(), False, reserved=reserved)
+            assert torch.equal(got, want), (gemm, rows, reserved)
+    assert any(k[0] == config for k in quack_adapter._DECIDED), "the first call's plan was not kept"
 
 
 @pytest.mark.parametrize("where", ["past_reservation", "every_launch"])

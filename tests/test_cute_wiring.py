@@ -10,6 +10,7 @@ import importlib.metadata
 import os
 import sys
 import types
+import typing
 import warnings
 
 import pytest
@@ -34,6 +35,18 @@ class _GemmConfig:  # the fields of quack.gemm_config.GemmConfig that ops.py and
     split_k: int = 1
 
 
+class _Plan(typing.NamedTuple):  # the fields of QuACK's dispatch plan (quack.gemm._GemmPlan) the adapter reads
+    max_active_clusters: int
+    scheduler_static: object
+    max_swizzle_size: int
+    cluster_M: int
+    cluster_N: int
+    split_k_mode: int
+
+
+FULL_CLUSTERS = 66
+
+
 def _fake_quack(calls: list) -> dict[str, types.ModuleType]:
     def module(name, **attrs):
         m = types.ModuleType(name)
@@ -43,10 +56,24 @@ def _fake_quack(calls: list) -> dict[str, types.ModuleType]:
     def recorder(name, result=None):
         return lambda *args, **kwargs: calls.append((name, args, kwargs)) or result
 
+    def gemm_tuned_fn(*args, config, dynamic_scheduler, **kwargs):
+        calls.append(("gemm_tuned.fn", args, dict(kwargs, config=config, dynamic_scheduler=dynamic_scheduler)))
+        plan = _Plan(FULL_CLUSTERS, ("static", FULL_CLUSTERS), 8, config.cluster_m, config.cluster_n, 0)
+        return config, 1, dynamic_scheduler, plan  # QuACK 0.6.5: the decisions and the dispatch plan
+
+    # QuACK 0.6.5's warm-launch entry, with its parameters (the adapter passes them all by name)
+    def _gemm_execute(A, B, out, C, *, bias, alpha, beta, cu_seqlens_m, cu_seqlens_k, A_idx, batch_idx_permute,
+                      add_to_output, dynamic_scheduler, config, rounding_mode, sr_seed, concat_layout, SFA, SFB,
+                      split_k, split_k_mode, bs_format_a=None, bs_format_b=None, SFD=None, sfd_norm_const=None,
+                      SFDCol=None, dispatch_plan=None):  # fmt: skip
+        calls.append(("_gemm_execute", (A, B, out, C), dict(locals())))
+        return dispatch_plan
+
     tuned = types.SimpleNamespace
     interface = module(
         "quack.gemm_interface",
-        gemm_tuned=tuned(fn=recorder("gemm_tuned.fn")),
+        gemm_tuned=tuned(fn=gemm_tuned_fn),
+        _gemm_execute=_gemm_execute,
         gemm=recorder("gemm"),
         gemm_add_inplace=recorder("gemm_add_inplace"),
         gemm_gated=recorder("gemm_gated"),
@@ -55,6 +82,10 @@ def _fake_quack(calls: list) -> dict[str, types.ModuleType]:
     fakes = {
         "quack.gemm_config": module("quack.gemm_config", GemmConfig=_GemmConfig),
         "quack.gemm_interface": interface,
+        "quack.gemm_tvm_ffi_utils": module(
+            "quack.gemm_tvm_ffi_utils", make_scheduler_args=lambda clusters, swizzle, sem: ("static", clusters)
+        ),
+        "quack.rounding": module("quack.rounding", RoundingMode=types.SimpleNamespace(RN=0)),
     }
     fakes["quack"] = module("quack", gemm_interface=interface, gemm_config=fakes["quack.gemm_config"])
     return fakes
@@ -74,7 +105,7 @@ def cute(monkeypatch, tmp_path):
     fakes = _fake_quack(calls)
     for name, fake in fakes.items():
         monkeypatch.setitem(sys.modules, name, fake)
-    supported = {"quack-kernels": "0.6.5", "nvidia-cutlass-dsl": "4.8.1"}
+    supported = {"quack-kernels": "0.6.5", "nvidia-cutlass-dsl": "4.7.1"}
     real_version = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda name: supported.get(name) or real_version(name))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -124,17 +155,42 @@ def test_heuristic_tuning_launches_the_heuristic_tiles_through_the_cache(cute):
 def test_launches_past_the_reservation_use_the_dynamic_scheduler(cute):
     ops, calls = cute
     A, B, out, cu = _operands()
-    with warnings.catch_warnings(record=True) as warned:
-        warnings.simplefilter("always")
-        with reserve_sms(16, gemms=1):
-            for _ in range(2):
-                ops._gemm("down", 32, 16, A, B, out, cu_seqlens_m=cu)
+    with reserve_sms(16, gemms=1):
+        for _ in range(2):
+            ops._gemm("down", 32, 16, A, B, out, cu_seqlens_m=cu)
     (_, _, first), (_, _, second) = calls[-2:]
     assert not first["dynamic_scheduler"] and not first["config"].is_dynamic_persistent
     assert second["dynamic_scheduler"] and second["config"].is_dynamic_persistent
-    # QuACK's public interface takes no grid size: the reservation is not applied, and the user is told once
-    assert not ops.quack_adapter.sm_budget_applies()
-    assert len(warned) == 1 and "takes no grid size" in str(warned[0].message)
+
+
+def test_later_calls_replay_quacks_plan_on_fewer_sms_inside_a_reservation(cute):
+    """A signature's first call goes through gemm_tuned.fn; later ones, at other sizes too, replay the dispatch plan
+    it returned through QuACK's warm-launch entry, inside ``reserve_sms(n)`` with fewer clusters (and scheduler
+    arguments to match). The gated GEMM takes no cluster count: a reservation reaching it is reported once."""
+    ops, calls = cute
+    A, B, out, cu = _operands()
+    ops._gemm("down", 32, 16, A, B, out, cu_seqlens_m=cu)
+    assert calls[-1][0] == "gemm_tuned.fn"
+    plan = ops.quack_adapter._DECIDED[next(iter(ops.quack_adapter._DECIDED))][3]
+    A2, out2 = torch.randn(5, 16), torch.empty(5, 32)
+    ops._gemm("down", 32, 16, A2, B, out2, cu_seqlens_m=cu)
+    name, args, kwargs = calls[-1]
+    assert name == "_gemm_execute" and args[0] is A2 and args[2] is out2 and kwargs["dispatch_plan"] is plan
+    assert kwargs["config"] == ops.heuristic_config("down", 32, 16) and kwargs["cu_seqlens_m"] is cu
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        with reserve_sms(16):
+            ops._gemm("down", 32, 16, A2, B, out2, cu_seqlens_m=cu)
+            fewer = calls[-1][2]["dispatch_plan"]
+            ops._gemm_gated(32, A, B, out, out, "swiglu", cu, None)
+            ops._gemm_gated(32, A, B, out, out, "swiglu", cu, None)
+    # cluster_m 2 x cluster_n 1 (the down GEMM's tiles): 16 SMs = 8 clusters fewer
+    cluster = plan.cluster_M * plan.cluster_N
+    assert fewer.max_active_clusters == FULL_CLUSTERS - 16 // cluster
+    assert fewer.scheduler_static == ("static", fewer.max_active_clusters)
+    assert len(warned) == 1 and "gated and dgated GEMMs" in str(warned[0].message)
+    ops._gemm("down", 32, 16, A2, B, out2, cu_seqlens_m=cu)
+    assert calls[-1][2]["dispatch_plan"] is plan  # outside the reservation: every SM again
 
 
 def test_importing_the_adapter_assigns_nothing_in_quack_and_writes_no_environment(cute):

@@ -18,10 +18,11 @@ Weights stay in Megatron's layout (w1_EGD [E, 2F, D] with ``[gate ; up]`` rows, 
 gate/up pairs, so no weight is ever copied. H and dH live in the interleaved layout [R, (gate_f, up_f)...]
 that the gated epilogues produce; only this backend reads them. No host sync anywhere (varlen GEMMs read
 expert_offsets on the device). The tuning (``kernels/options.py``, resolved once) picks the tiles: under the default
-``heuristic`` on Hopper every GEMM gets its tile config from ``configs.py`` (``quack_adapter`` passes it to QuACK's
-public interface), and the GEMMs that take every SM while a collective may still hold some (past the reserved
-launches of ``reserve_sms(n, gemms=k)``) use QuACK's dynamic tile scheduler (``_dynamic``). ``autotune`` and
-``default`` leave the config to QuACK.
+``heuristic`` on Hopper every GEMM gets its tile config from ``configs.py`` (``quack_adapter`` passes it to QuACK,
+replays QuACK's launch plans of the default-epilogue GEMMs and runs them on fewer SMs inside ``reserve_sms``), and
+the GEMMs that take every SM while a collective may still hold some (past the reserved launches of
+``reserve_sms(n, gemms=k)``) use QuACK's dynamic tile scheduler (``_dynamic``). ``autotune`` and ``default`` leave
+the config to QuACK.
 
 Blackwell (sm_100): QuACK 0.6's interface functions pick their SM100 kernels by the device's compute capability
 and take the same arguments, so the calls are the same; the heuristic tiles were measured on Hopper only, so on
@@ -105,24 +106,30 @@ def _tuning(device) -> str:
     return tuning
 
 
-def _take_reservation() -> None:
-    """Counts the launch against ``reserve_sms(n, gemms=k)``; QuACK 0.6 cannot run it on fewer SMs, which the
-    first reserving launch says once (``quack_adapter.sm_budget_applies``)."""
-    if take_reservation() > 0 and not quack_adapter.sm_budget_applies():
+def _take_reservation(honoured: bool) -> int:
+    """The SMs the GEMM launched now leaves free (``reserve_sms(n, gemms=k)``; the launch counts against k).
+    ``honoured``: the launch can run on fewer SMs (the default-epilogue GEMMs, ``quack_adapter.on_fewer_sms``);
+    the gated and dgated GEMMs run through QuACK's epilogue modules, which take no cluster count, which the first
+    such launch inside a reservation says once."""
+    reserved = take_reservation()
+    if reserved > 0 and not honoured:
         warn_once(
-            "reserve_sms / comm_sms > 0: the installed QuACK takes no grid size through its public interface, so "
-            "the cute backend's GEMMs run on every SM (only the launches past the reservation change: they take "
-            "QuACK's dynamic tile scheduler)"
+            "reserve_sms / comm_sms > 0: with the installed QuACK the cute backend's gated and dgated GEMMs (its "
+            "epilogue modules take no cluster count), and every GEMM under the autotune and default tunings, run on "
+            "every SM; the other GEMMs of the heuristic tuning leave the SMs free"
         )
+    return reserved
 
 
-def _heuristic_launch(gemm: str, F: int, D: int, tiles: tuple, main_grad: str | None = None, rows_multiple: int = 0):
-    """(tile config, dynamic) of a GEMM launched now under the heuristic tuning: ``dynamic`` when the launch uses
-    the dynamic tile scheduler (``_dynamic``). ``main_grad``: "add" / "store" for a weight GEMM writing into a
-    caller's accumulator; ``rows_multiple``: ``RoutingMetadata.rows_multiple``."""
+def _heuristic_launch(
+    gemm: str, F: int, D: int, tiles: tuple, main_grad: str | None = None, rows_multiple: int = 0, honoured=True
+):
+    """(tile config, dynamic, reserved SMs) of a GEMM launched now under the heuristic tuning: ``dynamic`` when the
+    launch uses the dynamic tile scheduler (``_dynamic``). ``main_grad``: "add" / "store" for a weight GEMM
+    writing into a caller's accumulator; ``rows_multiple``: ``RoutingMetadata.rows_multiple``."""
     dynamic = _dynamic()
-    _take_reservation()
-    return heuristic_config(gemm, F, D, tiles, dynamic, main_grad, rows_multiple), dynamic
+    reserved = _take_reservation(honoured)
+    return heuristic_config(gemm, F, D, tiles, dynamic, main_grad, rows_multiple), dynamic, reserved
 
 
 def _gemm(
@@ -146,11 +153,11 @@ def _gemm(
     its C operand (``quack_adapter.gemm``); the autotune and default tunings take QuACK's ``gemm_add_inplace``."""
     tuning = _tuning(A.device)
     if tuning == "heuristic":
-        config, dynamic = _heuristic_launch(gemm, F, D, kernel_options().tiles, main_grad, rows_multiple)
+        config, dynamic, reserved = _heuristic_launch(gemm, F, D, kernel_options().tiles, main_grad, rows_multiple)
         args = (A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx, concat_layout, add_to_output)
-        quack_adapter.gemm(config, dynamic, *args)
+        quack_adapter.gemm(config, dynamic, *args, reserved=reserved)
     else:
-        _take_reservation()
+        _take_reservation(honoured=False)
         (qgemm.gemm_add_inplace if add_to_output else qgemm.gemm)(
             A,
             B,
@@ -167,10 +174,10 @@ def _gemm(
 def _gemm_gated(F: int, A, B, preact_out, postact_out, activation, cu_seqlens_m, A_idx):
     tuning = _tuning(A.device)
     if tuning == "heuristic":
-        config, dynamic = _heuristic_launch("up", F, A.shape[1], kernel_options().tiles)
+        config, dynamic, _ = _heuristic_launch("up", F, A.shape[1], kernel_options().tiles, honoured=False)
         quack_adapter.gemm_gated(config, dynamic, A, B, preact_out, postact_out, activation, cu_seqlens_m, A_idx)
     else:
-        _take_reservation()
+        _take_reservation(honoured=False)
         qgemm.gemm_gated(
             A,
             B,
@@ -190,10 +197,10 @@ def _gemm_dgated(F: int, A, B, preact, dx_out, postact_out, colvec_scale, activa
     """dH GEMM; returns dS per row (fp32). Varlen-M with gathered A only (as ``backward_data`` calls it)."""
     tuning = _tuning(A.device)
     if tuning == "heuristic":
-        config, dynamic = _heuristic_launch("dh", F, A.shape[1], kernel_options().tiles)
+        config, dynamic, _ = _heuristic_launch("dh", F, A.shape[1], kernel_options().tiles, honoured=False)
         args = (A, B, preact, dx_out, postact_out, colvec_scale, activation, cu_seqlens_m, A_idx)
         return quack_adapter.gemm_dgated(config, dynamic, *args)
-    _take_reservation()
+    _take_reservation(honoured=False)
     return qgemm.gemm_dgated(
         A,
         B,

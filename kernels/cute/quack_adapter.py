@@ -1,26 +1,24 @@
-"""Every call into QuACK, in one place, through QuACK's public ``quack.gemm_interface``, checked against the
-supported version range.
+"""Every call into QuACK, in one place, through QuACK's public ``quack.gemm_interface`` (and one warm-launch entry
+of it, ``replay_plan``), checked against the supported version range.
 
 ``ops.py`` calls QuACK's ``gemm`` / ``gemm_add_inplace`` / ``gemm_gated`` / ``gemm_dgated`` itself under the
 ``autotune`` and ``default`` tunings; under ``heuristic`` it calls the three functions here, which pass a given
 ``GemmConfig``:
 
-- ``gemm``: ``gemm_tuned.fn``, the autotuner's undecorated function (QuACK's ``gemm`` takes no config), with our
-  output as its C operand when adding into it;
-- ``gemm_gated`` / ``gemm_dgated``: QuACK's public functions of those names, which take ``config=``.
+- ``gemm`` (the default-epilogue GEMMs: down, dX~, dW1, dW2): the first call of a signature runs
+  ``gemm_tuned.fn`` (the autotuner's undecorated function: QuACK's ``gemm`` takes no config), which returns QuACK's
+  launch plan; later calls replay that plan (``replay_plan``). QuACK compiles a GEMM for dtypes, majors and flags
+  and takes sizes at run time, so one plan serves every size of a signature; QuACK's own plan caches key on the
+  full shapes, and an expert-parallel layer's row counts change at every call. Inside ``reserve_sms(n)`` the plan
+  runs on fewer clusters (its ``max_active_clusters`` and scheduler arguments, ``on_fewer_sms``);
+- ``gemm_gated`` / ``gemm_dgated``: QuACK's public functions of those names, which take ``config=``. They run
+  through QuACK's epilogue modules, whose plans take no cluster count from outside: these two GEMMs run on every SM
+  (``ops.py`` says so once when a reservation reaches one).
 
-What the project no longer does with QuACK (each needed internals that QuACK 0.6 changed or hides):
-
-- no SM budget inside QuACK: QuACK 0.6 sizes a persistent GEMM's grid once per launch plan (cached per tensor
-  metadata, built with ``get_max_active_clusters``) and takes no grid argument, so ``reserve_sms(n > 0)`` cannot
-  shrink its grid from outside. ``sm_budget_applies()`` says so; ``ops.py`` warns once when a reservation reaches
-  a launch (the launches past it still take the dynamic tile scheduler, which needs no grid change);
-- no launch replay: the compiled kernels were recorded by replacing QuACK's compile functions, which QuACK 0.6
-  no longer has under those names; its own launch plans replay a call whose tensors have the same metadata
-  (shapes included);
-- no cache folder: QuACK keeps compiled kernels under ``QUACK_CACHE_DIR`` (read when QuACK is imported; default
-  a folder under the system's temporary directory, kept across processes) and autotuning results under
-  ``QUACK_HOME``. Set them before the first import of the backend to move them.
+QuACK keeps compiled kernels under ``QUACK_CACHE_DIR`` (read when QuACK is imported; default a folder under the
+system's temporary directory, kept across processes) and autotuning results under ``QUACK_HOME``; set them before
+the first import of the backend to move them. Nothing here assigns an attribute of a QuACK module or writes the
+environment.
 
 Importing this module checks the installed versions against ``SUPPORTED`` first and raises
 ``UnsupportedVersionError`` (an ImportError: ``backend="auto"`` then falls back to ``torch`` with a warning that
@@ -34,8 +32,10 @@ import re
 
 import torch
 
-# (package, lowest supported, first unsupported): the ``hopper`` extra's ranges
-SUPPORTED = (("quack-kernels", "0.6.5", "0.7"), ("nvidia-cutlass-dsl", "4.7", "4.9"))
+# (package, lowest supported, first unsupported): the ``hopper`` extra's ranges. CuTe-DSL 4.8 is left out: under it
+# QuACK 0.6.5's epilogue library (the gated GEMMs) fails to import, its semantic key of an epilogue function meeting
+# a context variable that CuTe-DSL 4.8 added.
+SUPPORTED = (("quack-kernels", "0.6.5", "0.7"), ("nvidia-cutlass-dsl", "4.7", "4.8"))
 
 
 class UnsupportedVersionError(ImportError):
@@ -81,14 +81,78 @@ if not torch.cuda.is_available():
 
 from quack import gemm_interface as qgemm  # noqa: E402
 from quack.gemm_config import GemmConfig  # noqa: E402
+from quack.gemm_tvm_ffi_utils import make_scheduler_args  # noqa: E402
+from quack.rounding import RoundingMode  # noqa: E402
 
-__all__ = ["GemmConfig", "gemm", "gemm_dgated", "gemm_gated", "sm_budget_applies"]
+from ..sm_reservation import budgeted_clusters  # noqa: E402
+
+__all__ = ["GemmConfig", "gemm", "gemm_dgated", "gemm_gated", "on_fewer_sms", "replay_plan"]
 
 
-def sm_budget_applies() -> bool:
-    """Whether ``reserve_sms(n)`` shrinks the grid of the GEMMs launched inside: not with QuACK 0.6, whose public
-    interface takes no grid size (see the module docstring)."""
-    return False
+# ----------------------------------------------------------------------------------------------------------
+# Launch plans of the default-epilogue GEMMs
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _layout(t) -> tuple | None:
+    """What QuACK's compile key reads of a tensor: dtype, rank and its major (whether the last dim is contiguous)."""
+    return None if t is None else (t.dtype, t.dim(), t.stride(-1) == 1)
+
+
+# signature -> what gemm_tuned.fn decided: (config, split_k, dynamic scheduler, QuACK's dispatch plan)
+_DECIDED: dict = {}
+# (id of a plan, SMs to leave free) -> that plan on fewer clusters
+_FEWER: dict = {}
+
+
+def replay_plan(decided: tuple, A, B, out, C, cu_seqlens_m, cu_seqlens_k, A_idx, concat_layout, plan) -> None:
+    """Launch ``plan`` (QuACK's dispatch plan of an earlier call with the same signature) on these tensors through
+    QuACK's warm-launch entry, the one its own interface plans replay through: the operand routing of
+    ``gemm_tuned.fn`` (transposes, concat layouts) and the launch, no plan build. Not in QuACK's documented
+    interface: tests/test_cute_gpu.py checks it against ``gemm_tuned.fn`` (bitwise, at other sizes, on fewer SMs)
+    and fails when QuACK changes it; tests/test_cute_wiring.py pins the arguments of the supported release."""
+    config, split_k, dynamic, _ = decided
+    qgemm._gemm_execute(
+        A,
+        B,
+        out,
+        C,
+        bias=None,
+        alpha=1.0,
+        beta=1.0,
+        cu_seqlens_m=cu_seqlens_m,
+        cu_seqlens_k=cu_seqlens_k,
+        A_idx=A_idx,
+        batch_idx_permute=None,
+        add_to_output=False,
+        dynamic_scheduler=dynamic,
+        config=config,
+        rounding_mode=RoundingMode.RN,
+        sr_seed=0,
+        concat_layout=concat_layout,
+        SFA=None,
+        SFB=None,
+        split_k=split_k,
+        split_k_mode=plan.split_k_mode,
+        dispatch_plan=plan,
+    )
+
+
+def on_fewer_sms(plan, reserved: int):
+    """``plan`` launching at most as many clusters as leave ``reserved`` SMs free (the plan itself when 0): its
+    ``max_active_clusters`` and, where the scheduler arguments are prebuilt, those. Same bits: every tile is still
+    computed once, by one CTA."""
+    if reserved <= 0:
+        return plan
+    key = (id(plan), reserved)
+    fewer = _FEWER.get(key)
+    if fewer is None:
+        clusters = budgeted_clusters(plan.max_active_clusters, plan.cluster_M * plan.cluster_N, reserved)
+        static = plan.scheduler_static
+        if static is not None:
+            static = make_scheduler_args(clusters, plan.max_swizzle_size, None)
+        fewer = _FEWER[key] = plan._replace(max_active_clusters=clusters, scheduler_static=static)
+    return fewer
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -97,16 +161,24 @@ def sm_budget_applies() -> bool:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def gemm(config, dynamic, A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx, concat_layout, add_to_output) -> None:
+def gemm(config, dynamic, A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx, concat_layout, add_to_output, reserved=0):
     """out = A @ B, or out += A @ B with ``add_to_output``: ``out`` is also QuACK's C operand, whose tile the
     epilogue loads (TMA), adds to the accumulator and stores back. Each element is read and written once, by the
     one tile that owns it, so the sum is deterministic. Chosen over QuACK's TMA reduce-add store (``add_to_output``
     in QuACK), which made the fp32 main_grad accumulation of the weight GEMMs slower for bitwise equal results
-    (docs/PERF.md, "End to end")."""
+    (docs/PERF.md, "End to end"). ``reserved``: SMs to leave free (``on_fewer_sms``); a signature's first launch
+    takes QuACK's own path, on every SM."""
     C = out if add_to_output else None
     if add_to_output and concat_layout and "out" in concat_layout:
         concat_layout = (*concat_layout, "C")  # C is the same interleaved view as out
-    qgemm.gemm_tuned.fn(
+    key = (config, dynamic, concat_layout, A.device, cu_seqlens_m is None, cu_seqlens_k is None, A_idx is None)
+    key += (_layout(A), _layout(B), _layout(out), _layout(C))
+    decided = _DECIDED.get(key)
+    if decided is not None:
+        plan = on_fewer_sms(decided[3], reserved)
+        replay_plan(decided, A, B, out, C, cu_seqlens_m, cu_seqlens_k, A_idx, concat_layout, plan)
+        return
+    decided = qgemm.gemm_tuned.fn(
         A,
         B,
         out,
@@ -118,6 +190,8 @@ def gemm(config, dynamic, A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx, concat_l
         config=config,
         concat_layout=concat_layout,
     )
+    if isinstance(decided, tuple) and len(decided) == 4 and hasattr(decided[3], "max_active_clusters"):
+        _DECIDED[key] = decided
 
 
 def gemm_gated(config, dynamic, A, B, preact_out, postact_out, activation, cu_seqlens_m, A_idx) -> None:
