@@ -140,21 +140,21 @@ def _import_adapter(monkeypatch, versions: dict[str, str]):
         (
             {"quack-kernels": "0.4.1", "nvidia-cutlass-dsl": "4.4.2"},
             "quack-kernels 0.4.1 is installed; the cute backend supports quack-kernels>=0.6.5,<0.7, "
-            "nvidia-cutlass-dsl>=4.7,<4.8 (the hopper extra); found: quack-kernels 0.4.1, nvidia-cutlass-dsl 4.4.2",
+            "nvidia-cutlass-dsl>=4.7,<4.9 (the hopper extra); found: quack-kernels 0.4.1, nvidia-cutlass-dsl 4.4.2",
         ),
         (
             {"quack-kernels": "0.7.0", "nvidia-cutlass-dsl": "4.7.1"},
             "quack-kernels 0.7.0 is installed; the cute backend supports quack-kernels>=0.6.5,<0.7",
         ),
         (
-            {"quack-kernels": "0.6.5", "nvidia-cutlass-dsl": "4.8.1"},
-            "nvidia-cutlass-dsl 4.8.1 is installed; the cute backend supports quack-kernels>=0.6.5,<0.7, "
-            "nvidia-cutlass-dsl>=4.7,<4.8 (the hopper extra); found: quack-kernels 0.6.5, nvidia-cutlass-dsl 4.8.1",
+            {"quack-kernels": "0.6.5", "nvidia-cutlass-dsl": "4.9.0"},
+            "nvidia-cutlass-dsl 4.9.0 is installed; the cute backend supports quack-kernels>=0.6.5,<0.7, "
+            "nvidia-cutlass-dsl>=4.7,<4.9 (the hopper extra); found: quack-kernels 0.6.5, nvidia-cutlass-dsl 4.9.0",
         ),
         (
             {"nvidia-cutlass-dsl": "4.7.1"},
             "quack-kernels is not installed; the cute backend supports quack-kernels>=0.6.5,<0.7, "
-            "nvidia-cutlass-dsl>=4.7,<4.8 (the hopper extra); found: quack-kernels not installed",
+            "nvidia-cutlass-dsl>=4.7,<4.9 (the hopper extra); found: quack-kernels not installed",
         ),
     ],
 )
@@ -168,7 +168,7 @@ def test_other_quack_versions_are_refused(monkeypatch, versions, message):
     "versions",
     [
         {"quack-kernels": "0.6.5", "nvidia-cutlass-dsl": "4.7.0"},
-        {"quack-kernels": "0.6.9.post1", "nvidia-cutlass-dsl": "4.7.1"},
+        {"quack-kernels": "0.6.9.post1", "nvidia-cutlass-dsl": "4.8.1"},
     ],
 )
 def test_supported_versions_pass_the_check(monkeypatch, versions):

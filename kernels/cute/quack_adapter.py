@@ -32,10 +32,8 @@ import re
 
 import torch
 
-# (package, lowest supported, first unsupported): the ``hopper`` extra's ranges. CuTe-DSL 4.8 is left out: under it
-# QuACK 0.6.5's epilogue library (the gated GEMMs) fails to import, its semantic key of an epilogue function meeting
-# a context variable that CuTe-DSL 4.8 added.
-SUPPORTED = (("quack-kernels", "0.6.5", "0.7"), ("nvidia-cutlass-dsl", "4.7", "4.8"))
+# (package, lowest supported, first unsupported): the ``hopper`` extra's ranges
+SUPPORTED = (("quack-kernels", "0.6.5", "0.7"), ("nvidia-cutlass-dsl", "4.7", "4.9"))
 
 
 class UnsupportedVersionError(ImportError):
