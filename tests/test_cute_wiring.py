@@ -6,7 +6,9 @@ configs.py and quack_adapter.py where no GPU is."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.abc
 import importlib.metadata
+import importlib.util
 import os
 import sys
 import types
@@ -87,7 +89,11 @@ def _fake_quack(calls: list) -> dict[str, types.ModuleType]:
         ),
         "quack.rounding": module("quack.rounding", RoundingMode=types.SimpleNamespace(RN=0)),
     }
-    fakes["quack"] = module("quack", gemm_interface=interface, gemm_config=fakes["quack.gemm_config"])
+    fakes["quack.epilogue.library"] = module("quack.epilogue.library")
+    fakes["quack.epilogue"] = module("quack.epilogue", library=fakes["quack.epilogue.library"], __path__=[])
+    fakes["quack"] = module(
+        "quack", gemm_interface=interface, gemm_config=fakes["quack.gemm_config"], epilogue=fakes["quack.epilogue"]
+    )
     return fakes
 
 
@@ -246,3 +252,32 @@ def test_whole_tile_rows_take_a_128_row_dx_tile(cute):
         ops._gemm("dx", 32, 16, A, B, out, cu_seqlens_m=cu, rows_multiple=rows_multiple)
         assert calls[-1][2]["config"].tile_m == tile_m
     assert ops.heuristic_config("down", 32, 16, rows_multiple=128) == ops.heuristic_config("down", 32, 16)
+
+
+class _RaisingLoader(importlib.abc.Loader, importlib.abc.MetaPathFinder):
+    """Imports of ``name`` raise what QuACK's epilogue library raised where its packages sat outside site-packages."""
+
+    name = "quack.epilogue.library"
+
+    def find_spec(self, fullname, path=None, target=None):
+        return importlib.util.spec_from_loader(fullname, self) if fullname == self.name else None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise TypeError("epilogue fn depends on <Logger CUTE_DSL (Level 51)> (type logging.Logger)")
+
+
+def test_an_epilogue_library_that_does_not_import_makes_the_backend_unavailable_saying_why(cute, monkeypatch):
+    """QuACK imports its epilogue library at the gated GEMM's first call; the adapter imports it first, so a failure
+    there (QuACK's packages outside site-packages) reaches the backend choice as a reason, not a forward's error."""
+    ops, _ = cute
+    monkeypatch.delitem(sys.modules, "quack.epilogue.library")
+    monkeypatch.setattr(sys, "meta_path", [_RaisingLoader(), *sys.meta_path])
+    for name in ("sonic_megatron.kernels.cute", "sonic_megatron.kernels.cute.ops"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.delitem(sys.modules, "sonic_megatron.kernels.cute.quack_adapter", raising=False)
+    monkeypatch.delattr(sys.modules["sonic_megatron.kernels"], "cute", raising=False)
+    reason = backends.cute_import_reason()
+    assert reason is not None and "QuACK's epilogue library does not import" in reason and "site-packages" in reason

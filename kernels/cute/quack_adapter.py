@@ -78,6 +78,15 @@ if not torch.cuda.is_available():
     raise ImportError("the cute backend needs a CUDA build of torch and a GPU")
 
 from quack import gemm_interface as qgemm  # noqa: E402
+
+try:  # the gated and dgated GEMMs' epilogue modules: imported here, not at their first call in a forward
+    import quack.epilogue.library  # noqa: E402, F401
+except TypeError as exc:  # QuACK's fingerprint of the code its epilogue functions reach
+    raise ImportError(
+        f"QuACK's epilogue library does not import ({exc}). QuACK treats code outside a site-packages or "
+        "dist-packages folder as its own and fingerprints it, which fails on CuTe-DSL's: install quack-kernels and "
+        "nvidia-cutlass-dsl into the Python environment's site-packages (not with pip --target or PYTHONPATH)"
+    ) from exc
 from quack.gemm_config import GemmConfig  # noqa: E402
 from quack.gemm_tvm_ffi_utils import make_scheduler_args  # noqa: E402
 from quack.rounding import RoundingMode  # noqa: E402
