@@ -89,8 +89,7 @@ class SonicConfig:
             GEMMs). NCCL needs one SM per channel; pick by ``bench layer --comm-sms``. Also used under Megatron's
             1F1B EP overlap (``--overlap-moe-expert-parallel-comm``), where another micro-batch's all-to-all runs
             beside the experts node: there the first GEMM of its forward and backward-data and its
-            weight-gradient GEMMs leave the SMs free (``token_dispatch.local_experts``). With QuACK 0.6 the gated
-            and dgated GEMMs (the first of the forward and of the backward-data) take every SM.
+            weight-gradient GEMMs leave the SMs free (``token_dispatch.local_experts``).
         pair_weight_grads: under Megatron's training schedules, wherever the experts' weight gradients go straight
             into DDP's ``main_grad`` (the sonic dispatcher at expert-parallel size 1, or ``dispatcher='megatron'``;
             not with ``delay_wgrad_compute``), run the experts' weight-gradient GEMMs once per pair of

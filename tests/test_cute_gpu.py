@@ -176,13 +176,86 @@ def test_reserve_sms_same_bits():
         pass
 
 
-@pytest.mark.parametrize("gemm", ["down", "dx", "dw2"])
-def test_replayed_plans_equal_quacks_own_call(gemm):
-    """``quack_adapter.gemm`` replays QuACK's dispatch plan of a signature's first call (``replay_plan``, through
-    QuACK's warm-launch entry) at other sizes and, with ``reserved``, on fewer clusters: bitwise QuACK's own
-    ``gemm_tuned.fn`` at each size. Fails when QuACK changes that entry or what its plans hold."""
-    require_cute()
+def _quack_and_adapter_calls(gemm, config, rows, E, F, D, gen):
+    """(QuACK's own call, ours through quack_adapter with ``reserved`` SMs left free) of one GEMM of the backend at
+    ``rows`` routed rows over E experts, each filling fresh outputs and returning them."""
     from quack import gemm_interface as qgemm
+    from sonic_megatron.kernels.cute import quack_adapter
+
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    counts = torch.randint(0, 2 * rows // E, (E,), generator=gen, device="cuda")
+    cu = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
+    cu[1:] = counts.cumsum(0)
+    R, T = int(cu[-1]), rows
+    idx = torch.randint(0, T, (R,), generator=gen, device="cuda", dtype=torch.int32)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, **bf16) * scale
+
+    def empty(*shape, dtype=torch.bfloat16):
+        return torch.full(shape, float("nan"), device="cuda", dtype=dtype)
+
+    if gemm in ("down", "dx", "dw2"):
+        if gemm == "down":  # A [R, F] x W2_e^T, varlen-M
+            A, B = randn(R, F), randn(E, D, F, scale=F**-0.5).permute(0, 2, 1)
+            shape, kw = (R, D), (cu, None, None, None)
+        elif gemm == "dx":  # dH [R, 2F] x W1_e through the concatenated layout, varlen-M
+            A, B, shape, kw = randn(R, 2 * F), randn(E, 2 * F, D, scale=F**-0.5), (R, D), (cu, None, None, ("B",))
+        else:  # dO^T gathered along K x A', varlen-K
+            A, B, shape, kw = randn(T, D).t(), randn(R, F), (E, D, F), (None, cu, idx, None)
+        names = ("cu_seqlens_m", "cu_seqlens_k", "A_idx", "concat_layout")
+
+        def quack():
+            out = empty(*shape)
+            qgemm.gemm_tuned.fn(A, B, out, dynamic_scheduler=False, config=config, **dict(zip(names, kw, strict=True)))
+            return (out,)
+
+        def ours(reserved):
+            out = empty(*shape)
+            quack_adapter.gemm(config, False, A, B, out, *kw, False, reserved=reserved)
+            return (out,)
+
+    elif gemm == "up":  # X rows gathered x W1_e (concatenated [gate ; up]), SwiGLU epilogue
+        x, B = randn(T, D), randn(E, 2 * F, D, scale=D**-0.5).permute(0, 2, 1)
+
+        def quack():
+            h, a = empty(R, 2 * F), empty(R, F)
+            qgemm.gemm_gated(x, B, preact_out=h, postact_out=a, activation="swiglu", cu_seqlens_m=cu, A_idx=idx,
+                             store_preact=True, dynamic_scheduler=False, tuned=False, config=config,
+                             concat_layout=("B",))  # fmt: skip
+            return h, a
+
+        def ours(reserved):
+            h, a = empty(R, 2 * F), empty(R, F)
+            quack_adapter.gemm_gated(config, False, x, B, h, a, "swiglu", cu, idx, reserved=reserved)
+            return h, a
+
+    else:  # "dh": dO rows gathered x W2_e, dSwiGLU epilogue with the scores, dS per row
+        dO, w2, h = randn(T, D), randn(E, D, F, scale=F**-0.5), randn(R, 2 * F)
+        s = torch.rand(R, generator=gen, device="cuda")
+
+        def quack():
+            dh, a = empty(R, 2 * F), empty(R, F)
+            ds = qgemm.gemm_dgated(dO, w2, h, activation="swiglu", dx_out=dh, postact_out=a, colvec_scale=s,
+                                   colvec_reduce=True, cu_seqlens_m=cu, A_idx=idx, dynamic_scheduler=False,
+                                   tuned=False, config=config)[2]  # fmt: skip
+            return dh, a, ds
+
+        def ours(reserved):
+            dh, a = empty(R, 2 * F), empty(R, F)
+            ds = quack_adapter.gemm_dgated(config, False, dO, w2, h, dh, a, s, "swiglu", cu, idx, reserved=reserved)
+            return dh, a, ds
+
+    return quack, ours
+
+
+@pytest.mark.parametrize("gemm", ["up", "down", "dh", "dx", "dw2"])
+def test_replayed_plans_equal_quacks_own_call(gemm):
+    """``quack_adapter`` launches QuACK's plan of a signature's first call at later calls (``replay_plan``,
+    ``run_gemm_epi_plan``) at other sizes and, with ``reserved``, on fewer clusters: bitwise QuACK's own call
+    (``gemm_tuned.fn``, ``gemm_gated``, ``gemm_dgated``) at each size. Fails when QuACK changes those entries or
+    what its plans hold."""
+    require_cute()
     from sonic_megatron.kernels.cute import quack_adapter
     from sonic_megatron.kernels.cute.configs import heuristic_config
 
@@ -190,31 +263,13 @@ def test_replayed_plans_equal_quacks_own_call(gemm):
     gen = torch.Generator(device="cuda").manual_seed(9)
     config = heuristic_config(gemm, F, D)
     for rows in (1000, 4096, 333):  # the first records; the others replay
-        counts = torch.randint(0, 2 * rows // E, (E,), generator=gen, device="cuda")
-        cu = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
-        cu[1:] = counts.cumsum(0)
-        R = int(cu[-1])
-        if gemm == "down":  # A [R, F] x W2_e^T, varlen-M
-            A = torch.randn(R, F, device="cuda", dtype=torch.bfloat16, generator=gen)
-            B = (torch.randn(E, D, F, device="cuda", dtype=torch.bfloat16, generator=gen) / F**0.5).permute(0, 2, 1)
-            out_shape, kw = (R, D), dict(cu_seqlens_m=cu, cu_seqlens_k=None, A_idx=None, concat_layout=None)
-        elif gemm == "dx":  # dH [R, 2F] x W1_e through the concatenated layout, varlen-M
-            A = torch.randn(R, 2 * F, device="cuda", dtype=torch.bfloat16, generator=gen)
-            B = torch.randn(E, 2 * F, D, device="cuda", dtype=torch.bfloat16, generator=gen) / F**0.5
-            out_shape, kw = (R, D), dict(cu_seqlens_m=cu, cu_seqlens_k=None, A_idx=None, concat_layout=("B",))
-        else:  # dO^T gathered along K x A', varlen-K
-            T = rows
-            A = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=gen).t()
-            B = torch.randn(R, F, device="cuda", dtype=torch.bfloat16, generator=gen)
-            idx = torch.randint(0, T, (R,), generator=gen, device="cuda", dtype=torch.int32)
-            out_shape, kw = (E, D, F), dict(cu_seqlens_m=None, cu_seqlens_k=cu, A_idx=idx, concat_layout=None)
-        want = torch.empty(out_shape, device="cuda", dtype=torch.bfloat16)
-        qgemm.gemm_tuned.fn(A, B, want, dynamic_scheduler=False, config=config, **kw)
+        quack, ours = _quack_and_adapter_calls(gemm, config, rows, E, F, D, gen)
+        want = quack()
         for reserved in (0, 40):
-            got = torch.full(out_shape, float("nan"), device="cuda", dtype=torch.bfloat16)
-            quack_adapter.gemm(config, False, A, B, got, *kw.values(), False, reserved=reserved)
-            assert torch.equal(got, want), (gemm, rows, reserved)
-    assert any(k[0] == config for k in quack_adapter._DECIDED), "the first call's plan was not kept"
+            for w, g in zip(want, ours(reserved), strict=True):
+                assert torch.equal(g, w), (gemm, rows, reserved)
+    plans = {**quack_adapter._DECIDED, **quack_adapter._EPI_PLANS}
+    assert any(config in k for k in plans), "the first call's plan was not kept"
 
 
 @pytest.mark.parametrize("where", ["past_reservation", "every_launch"])

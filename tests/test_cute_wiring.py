@@ -35,6 +35,7 @@ class _GemmConfig:  # the fields of quack.gemm_config.GemmConfig that ops.py and
     max_swizzle_size: int = 8
     use_tma_gather: bool = False
     split_k: int = 1
+    swap_ab: bool = False
 
 
 class _Plan(typing.NamedTuple):  # the fields of QuACK's dispatch plan (quack.gemm._GemmPlan) the adapter reads
@@ -89,7 +90,31 @@ def _fake_quack(calls: list) -> dict[str, types.ModuleType]:
         ),
         "quack.rounding": module("quack.rounding", RoundingMode=types.SimpleNamespace(RN=0)),
     }
-    fakes["quack.epilogue.library"] = module("quack.epilogue.library")
+
+    class _Mod:  # an epilogue module of QuACK 0.6.5: gemm() launches and returns its plan (its parameters)
+        def __init__(self, kind):
+            self.kind = kind
+
+        def gemm(self, A, B, D, C=None, *, epi_args, tile_M=128, tile_N=256, cluster_M=2, cluster_N=1, tile_K=None,
+                 pingpong=False, persistent=True, is_dynamic_persistent=False, max_swizzle_size=8,
+                 tile_count_semaphore=None, cu_seqlens_m=None, A_idx=None, rounding_mode=0, epi_key_overrides=None,
+                 b_kn=False, use_tma_gather=False, concat_layout=None, swap_ab=False):  # fmt: skip
+            calls.append((f"{self.kind}.gemm", (A, B, D, C), dict(locals())))
+            return _Plan(FULL_CLUSTERS, ("static", FULL_CLUSTERS), max_swizzle_size, cluster_M, cluster_N, 0)
+
+    def run_gemm_epi_plan(plan, A, B, D, C, epi_values, *, ag_args=None, tile_count_semaphore=None,
+                          cu_seqlens_m=None, cu_seqlens_k=None, A_idx=None, SFA=None, SFB=None,
+                          split_k_buffers=None):  # fmt: skip
+        calls.append(("run_gemm_epi_plan", (A, B, D, C), dict(locals())))
+
+    mods = {"gated": _Mod("gated"), "dgated": _Mod("dgated")}
+    fakes["quack.epilogue.library"] = module(
+        "quack.epilogue.library",
+        linear_act_mod=lambda activation, *, gated, **flags: mods["gated"],
+        dgated_mod=lambda activation, *, has_scale, has_reduce: mods["dgated"],
+    )
+    fakes["quack.gemm_runtime.host"] = module("quack.gemm_runtime.host", run_gemm_epi_plan=run_gemm_epi_plan)
+    fakes["quack.gemm_runtime"] = module("quack.gemm_runtime", host=fakes["quack.gemm_runtime.host"], __path__=[])
     fakes["quack.epilogue"] = module("quack.epilogue", library=fakes["quack.epilogue.library"], __path__=[])
     fakes["quack"] = module(
         "quack", gemm_interface=interface, gemm_config=fakes["quack.gemm_config"], epilogue=fakes["quack.epilogue"]
@@ -149,13 +174,18 @@ def test_heuristic_tuning_launches_the_heuristic_tiles_through_the_cache(cute):
     _, args, kwargs = calls[-1]
     assert args[2] is out and kwargs["C"] is out and kwargs["concat_layout"] == ("out", "C")
     ops._gemm_gated(32, A, B, out, out, "swiglu", cu, None)
-    name, _, kwargs = calls[-1]
-    assert name == "gemm_gated" and kwargs["concat_layout"] == ("B",) and kwargs["tuned"] is False
-    assert kwargs["config"] == ops.heuristic_config("up", 32, 16) and kwargs["store_preact"] is True
+    name, args, kwargs = calls[-1]
+    config = ops.heuristic_config("up", 32, 16)
+    assert name == "gated.gemm" and kwargs["concat_layout"] == ("B",) and kwargs["b_kn"] is False
+    assert (kwargs["tile_M"], kwargs["tile_N"], kwargs["pingpong"]) == (config.tile_m, config.tile_n, config.pingpong)
+    assert args[1].shape == B.mT.shape and args[2] is out and kwargs["epi_args"] == {"mAuxOut": out}
     dS = ops._gemm_dgated(32, A, B, out, out, out, torch.ones(8), "swiglu", cu, torch.arange(8))
     name, args, kwargs = calls[-1]
-    assert name == "gemm_dgated" and kwargs["colvec_reduce"] is True and kwargs["tuned"] is False
-    assert kwargs["config"] == ops.heuristic_config("dh", 32, 16) and dS.shape == (3,)  # QuACK's [2]
+    config = ops.heuristic_config("dh", 32, 16)
+    assert name == "dgated.gemm" and kwargs["b_kn"] is True and args[1] is B and args[3] is out
+    assert sorted(kwargs["epi_args"]) == ["mAuxOut", "mColVecBroadcast", "mColVecReduce"]
+    partials = kwargs["epi_args"]["mColVecReduce"]
+    assert partials.shape == (8, -(-B.shape[-1] // config.tile_n)) and dS.shape == (8,)  # summed per row
 
 
 def test_launches_past_the_reservation_use_the_dynamic_scheduler(cute):
@@ -169,10 +199,10 @@ def test_launches_past_the_reservation_use_the_dynamic_scheduler(cute):
     assert second["dynamic_scheduler"] and second["config"].is_dynamic_persistent
 
 
-def test_later_calls_replay_quacks_plan_on_fewer_sms_inside_a_reservation(cute):
-    """A signature's first call goes through gemm_tuned.fn; later ones, at other sizes too, replay the dispatch plan
-    it returned through QuACK's warm-launch entry, inside ``reserve_sms(n)`` with fewer clusters (and scheduler
-    arguments to match). The gated GEMM takes no cluster count: a reservation reaching it is reported once."""
+def test_later_calls_replay_quacks_plans_on_fewer_sms_inside_a_reservation(cute):
+    """A signature's first call goes through QuACK's gemm_tuned.fn (or the epilogue module's gemm); later ones, at
+    other sizes too, launch the plan it returned (QuACK's warm-launch entry, run_gemm_epi_plan), inside
+    ``reserve_sms(n)`` with fewer clusters and scheduler arguments to match."""
     ops, calls = cute
     A, B, out, cu = _operands()
     ops._gemm("down", 32, 16, A, B, out, cu_seqlens_m=cu)
@@ -183,20 +213,37 @@ def test_later_calls_replay_quacks_plan_on_fewer_sms_inside_a_reservation(cute):
     name, args, kwargs = calls[-1]
     assert name == "_gemm_execute" and args[0] is A2 and args[2] is out2 and kwargs["dispatch_plan"] is plan
     assert kwargs["config"] == ops.heuristic_config("down", 32, 16) and kwargs["cu_seqlens_m"] is cu
+    ops._gemm_gated(32, A, B, out, out, "swiglu", cu, None)
+    assert calls[-1][0] == "gated.gemm"
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
         with reserve_sms(16):
             ops._gemm("down", 32, 16, A2, B, out2, cu_seqlens_m=cu)
             fewer = calls[-1][2]["dispatch_plan"]
-            ops._gemm_gated(32, A, B, out, out, "swiglu", cu, None)
-            ops._gemm_gated(32, A, B, out, out, "swiglu", cu, None)
+            ops._gemm_gated(32, A2, B, out2, out2, "swiglu", cu, None)
+            name, args, kwargs = calls[-1]
+    assert not warned
     # cluster_m 2 x cluster_n 1 (the down GEMM's tiles): 16 SMs = 8 clusters fewer
-    cluster = plan.cluster_M * plan.cluster_N
-    assert fewer.max_active_clusters == FULL_CLUSTERS - 16 // cluster
+    assert fewer.max_active_clusters == FULL_CLUSTERS - 16 // (plan.cluster_M * plan.cluster_N)
     assert fewer.scheduler_static == ("static", fewer.max_active_clusters)
-    assert len(warned) == 1 and "gated and dgated GEMMs" in str(warned[0].message)
+    assert name == "run_gemm_epi_plan" and args[0] is A2 and args[2] is out2
+    assert kwargs["epi_values"] == {"mAuxOut": out2}
+    gated = kwargs["plan"]
+    assert gated.max_active_clusters == FULL_CLUSTERS - 16 // (gated.cluster_M * gated.cluster_N)
     ops._gemm("down", 32, 16, A2, B, out2, cu_seqlens_m=cu)
     assert calls[-1][2]["dispatch_plan"] is plan  # outside the reservation: every SM again
+
+
+def test_a_reservation_under_quacks_own_tunings_is_reported_once(cute):
+    ops, _ = cute
+    A, B, out, cu = _operands()
+    set_kernel_options(KernelOptions(tuning="default"))
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        with reserve_sms(16):
+            ops._gemm("down", 32, 16, A, B, out, cu_seqlens_m=cu)
+            ops._gemm_gated(32, A, B, out, out, "swiglu", cu, None)
+    assert len(warned) == 1 and "run on every SM" in str(warned[0].message)
 
 
 def test_importing_the_adapter_assigns_nothing_in_quack_and_writes_no_environment(cute):

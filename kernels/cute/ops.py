@@ -19,7 +19,7 @@ gate/up pairs, so no weight is ever copied. H and dH live in the interleaved lay
 that the gated epilogues produce; only this backend reads them. No host sync anywhere (varlen GEMMs read
 expert_offsets on the device). The tuning (``kernels/options.py``, resolved once) picks the tiles: under the default
 ``heuristic`` on Hopper every GEMM gets its tile config from ``configs.py`` (``quack_adapter`` passes it to QuACK,
-replays QuACK's launch plans of the default-epilogue GEMMs and runs them on fewer SMs inside ``reserve_sms``), and
+replays QuACK's launch plans and runs them on fewer SMs inside ``reserve_sms``), and
 the GEMMs that take every SM while a collective may still hold some (past the reserved launches of
 ``reserve_sms(n, gemms=k)``) use QuACK's dynamic tile scheduler (``_dynamic``). ``autotune`` and ``default`` leave
 the config to QuACK.
@@ -108,27 +108,24 @@ def _tuning(device) -> str:
 
 def _take_reservation(honoured: bool) -> int:
     """The SMs the GEMM launched now leaves free (``reserve_sms(n, gemms=k)``; the launch counts against k).
-    ``honoured``: the launch can run on fewer SMs (the default-epilogue GEMMs, ``quack_adapter.on_fewer_sms``);
-    the gated and dgated GEMMs run through QuACK's epilogue modules, which take no cluster count, which the first
-    such launch inside a reservation says once."""
+    ``honoured``: the launch can run on fewer SMs (the heuristic tuning's launches, ``quack_adapter.on_fewer_sms``);
+    under the autotune and default tunings QuACK's own functions launch, on every SM, which the first such launch
+    inside a reservation says once."""
     reserved = take_reservation()
     if reserved > 0 and not honoured:
         warn_once(
-            "reserve_sms / comm_sms > 0: with the installed QuACK the cute backend's gated and dgated GEMMs (its "
-            "epilogue modules take no cluster count), and every GEMM under the autotune and default tunings, run on "
-            "every SM; the other GEMMs of the heuristic tuning leave the SMs free"
+            "reserve_sms / comm_sms > 0: under the autotune and default tunings the cute backend's GEMMs run on "
+            "every SM (QuACK's own functions launch them); the heuristic tuning leaves the SMs free"
         )
     return reserved
 
 
-def _heuristic_launch(
-    gemm: str, F: int, D: int, tiles: tuple, main_grad: str | None = None, rows_multiple: int = 0, honoured=True
-):
+def _heuristic_launch(gemm: str, F: int, D: int, tiles: tuple, main_grad: str | None = None, rows_multiple: int = 0):
     """(tile config, dynamic, reserved SMs) of a GEMM launched now under the heuristic tuning: ``dynamic`` when the
     launch uses the dynamic tile scheduler (``_dynamic``). ``main_grad``: "add" / "store" for a weight GEMM
     writing into a caller's accumulator; ``rows_multiple``: ``RoutingMetadata.rows_multiple``."""
     dynamic = _dynamic()
-    reserved = _take_reservation(honoured)
+    reserved = _take_reservation(honoured=True)
     return heuristic_config(gemm, F, D, tiles, dynamic, main_grad, rows_multiple), dynamic, reserved
 
 
@@ -174,8 +171,9 @@ def _gemm(
 def _gemm_gated(F: int, A, B, preact_out, postact_out, activation, cu_seqlens_m, A_idx):
     tuning = _tuning(A.device)
     if tuning == "heuristic":
-        config, dynamic, _ = _heuristic_launch("up", F, A.shape[1], kernel_options().tiles, honoured=False)
-        quack_adapter.gemm_gated(config, dynamic, A, B, preact_out, postact_out, activation, cu_seqlens_m, A_idx)
+        config, dynamic, reserved = _heuristic_launch("up", F, A.shape[1], kernel_options().tiles)
+        args = (A, B, preact_out, postact_out, activation, cu_seqlens_m, A_idx)
+        quack_adapter.gemm_gated(config, dynamic, *args, reserved=reserved)
     else:
         _take_reservation(honoured=False)
         qgemm.gemm_gated(
@@ -197,9 +195,9 @@ def _gemm_dgated(F: int, A, B, preact, dx_out, postact_out, colvec_scale, activa
     """dH GEMM; returns dS per row (fp32). Varlen-M with gathered A only (as ``backward_data`` calls it)."""
     tuning = _tuning(A.device)
     if tuning == "heuristic":
-        config, dynamic, _ = _heuristic_launch("dh", F, A.shape[1], kernel_options().tiles, honoured=False)
+        config, dynamic, reserved = _heuristic_launch("dh", F, A.shape[1], kernel_options().tiles)
         args = (A, B, preact, dx_out, postact_out, colvec_scale, activation, cu_seqlens_m, A_idx)
-        return quack_adapter.gemm_dgated(config, dynamic, *args)
+        return quack_adapter.gemm_dgated(config, dynamic, *args, reserved=reserved)
     _take_reservation(honoured=False)
     return qgemm.gemm_dgated(
         A,

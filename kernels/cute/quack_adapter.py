@@ -1,19 +1,19 @@
-"""Every call into QuACK, in one place, through QuACK's public ``quack.gemm_interface`` (and one warm-launch entry
-of it, ``replay_plan``), checked against the supported version range.
+"""Every call into QuACK, in one place, checked against the supported version range.
 
 ``ops.py`` calls QuACK's ``gemm`` / ``gemm_add_inplace`` / ``gemm_gated`` / ``gemm_dgated`` itself under the
-``autotune`` and ``default`` tunings; under ``heuristic`` it calls the three functions here, which pass a given
-``GemmConfig``:
+``autotune`` and ``default`` tunings. Under ``heuristic`` it calls the three functions here with a given
+``GemmConfig``; each launches QuACK's own launch plan of the first call of its signature at every later call:
+QuACK compiles a GEMM for dtypes, majors and flags and takes sizes at run time, so one plan serves every size,
+while QuACK's own plan caches key on the full shapes, and an expert-parallel layer's row counts change at every
+call. Inside ``reserve_sms(n)`` a plan runs on fewer clusters (``on_fewer_sms``: its ``max_active_clusters`` and
+scheduler arguments).
 
-- ``gemm`` (the default-epilogue GEMMs: down, dX~, dW1, dW2): the first call of a signature runs
-  ``gemm_tuned.fn`` (the autotuner's undecorated function: QuACK's ``gemm`` takes no config), which returns QuACK's
-  launch plan; later calls replay that plan (``replay_plan``). QuACK compiles a GEMM for dtypes, majors and flags
-  and takes sizes at run time, so one plan serves every size of a signature; QuACK's own plan caches key on the
-  full shapes, and an expert-parallel layer's row counts change at every call. Inside ``reserve_sms(n)`` the plan
-  runs on fewer clusters (its ``max_active_clusters`` and scheduler arguments, ``on_fewer_sms``);
-- ``gemm_gated`` / ``gemm_dgated``: QuACK's public functions of those names, which take ``config=``. They run
-  through QuACK's epilogue modules, whose plans take no cluster count from outside: these two GEMMs run on every SM
-  (``ops.py`` says so once when a reservation reaches one).
+- ``gemm`` (the default-epilogue GEMMs: down, dX~, dW1, dW2): the first call runs ``gemm_tuned.fn`` (the
+  autotuner's undecorated function: QuACK's ``gemm`` takes no config), which returns its dispatch plan; later calls
+  go through QuACK's warm-launch entry with it (``replay_plan``);
+- ``gemm_gated`` / ``gemm_dgated``: QuACK's epilogue modules of those GEMMs (``linear_act_mod``, ``dgated_mod``)
+  with the arguments QuACK's functions of those names give them; the first call runs the module's ``gemm``, which
+  returns its plan, later calls ``run_gemm_epi_plan``.
 
 QuACK keeps compiled kernels under ``QUACK_CACHE_DIR`` (read when QuACK is imported; default a folder under the
 system's temporary directory, kept across processes) and autotuning results under ``QUACK_HOME``; set them before
@@ -80,7 +80,7 @@ if not torch.cuda.is_available():
 from quack import gemm_interface as qgemm  # noqa: E402
 
 try:  # the gated and dgated GEMMs' epilogue modules: imported here, not at their first call in a forward
-    import quack.epilogue.library  # noqa: E402, F401
+    from quack.epilogue.library import dgated_mod, linear_act_mod  # noqa: E402
 except TypeError as exc:  # QuACK's fingerprint of the code its epilogue functions reach
     raise ImportError(
         f"QuACK's epilogue library does not import ({exc}). QuACK treats code outside a site-packages or "
@@ -88,6 +88,7 @@ except TypeError as exc:  # QuACK's fingerprint of the code its epilogue functio
         "nvidia-cutlass-dsl into the Python environment's site-packages (not with pip --target or PYTHONPATH)"
     ) from exc
 from quack.gemm_config import GemmConfig  # noqa: E402
+from quack.gemm_runtime.host import run_gemm_epi_plan  # noqa: E402
 from quack.gemm_tvm_ffi_utils import make_scheduler_args  # noqa: E402
 from quack.rounding import RoundingMode  # noqa: E402
 
@@ -201,38 +202,84 @@ def gemm(config, dynamic, A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx, concat_l
         _DECIDED[key] = decided
 
 
-def gemm_gated(config, dynamic, A, B, preact_out, postact_out, activation, cu_seqlens_m, A_idx) -> None:
-    """preact_out = A @ B (gate/up interleaved), postact_out = activation of it; B read through concat_layout."""
-    qgemm.gemm_gated(
+# ----------------------------------------------------------------------------------------------------------
+# The gated and dgated GEMMs: QuACK's epilogue modules
+# ----------------------------------------------------------------------------------------------------------
+
+# signature -> QuACK's epilogue plan (``GemmEpiPlan``) of its first call
+_EPI_PLANS: dict = {}
+
+
+def _epilogue_gemm(mod, key, A, B_d, D, C, epi_args, config, dynamic, cu_seqlens_m, A_idx, b_kn, concat, reserved):
+    """One GEMM of epilogue module ``mod`` with the arguments QuACK's ``gemm_gated`` / ``gemm_dgated`` give it
+    (``B_d`` as they pass B, ``epi_args`` the outputs, operands and reduction partials by QuACK's names). The first
+    call of a signature (``key``) runs ``mod.gemm``, which launches and returns its plan (compiled for dtypes,
+    majors and flags; sizes at run time); later calls launch that plan (``run_gemm_epi_plan``), on fewer clusters
+    inside ``reserve_sms`` (``on_fewer_sms``)."""
+    dynamic = dynamic or config.is_dynamic_persistent
+    semaphore = torch.zeros(1, dtype=torch.int32, device=A.device) if dynamic else None  # the dynamic tile counter
+    plan = _EPI_PLANS.get(key)
+    if plan is not None:
+        run_gemm_epi_plan(
+            on_fewer_sms(plan, reserved),
+            A,
+            B_d,
+            D,
+            C,
+            epi_args,
+            tile_count_semaphore=semaphore,
+            cu_seqlens_m=cu_seqlens_m,
+            A_idx=A_idx,
+        )
+        return
+    _EPI_PLANS[key] = mod.gemm(
         A,
-        B,
-        preact_out=preact_out,
-        postact_out=postact_out,
-        activation=activation,
+        B_d,
+        D,
+        C,
+        epi_args=epi_args,
+        tile_M=config.tile_m,
+        tile_N=config.tile_n,
+        cluster_M=config.cluster_m,
+        cluster_N=config.cluster_n,
+        tile_K=config.tile_k,
+        pingpong=config.pingpong,
+        persistent=True,
+        is_dynamic_persistent=dynamic,
+        max_swizzle_size=config.max_swizzle_size,
+        tile_count_semaphore=semaphore,
         cu_seqlens_m=cu_seqlens_m,
         A_idx=A_idx,
-        store_preact=preact_out is not None,
-        dynamic_scheduler=dynamic,
-        tuned=False,
-        config=config,
-        concat_layout=("B",),
+        b_kn=b_kn,
+        use_tma_gather=config.use_tma_gather,
+        concat_layout=concat,
+        swap_ab=config.swap_ab,
     )
 
 
-def gemm_dgated(config, dynamic, A, B, preact, dx_out, postact_out, colvec_scale, activation, cu_seqlens_m, A_idx):
-    """The dgated GEMM; returns its colvec reduction per row (fp32): sum over f of postact * unscaled dout."""
-    return qgemm.gemm_dgated(
-        A,
-        B,
-        preact,
-        activation=activation,
-        dx_out=dx_out,
-        postact_out=postact_out,
-        colvec_scale=colvec_scale,
-        colvec_reduce=True,
-        cu_seqlens_m=cu_seqlens_m,
-        A_idx=A_idx,
-        dynamic_scheduler=dynamic,
-        tuned=False,
-        config=config,
-    )[2]
+def gemm_gated(config, dynamic, A, B, preact_out, postact_out, activation, cu_seqlens_m, A_idx, reserved=0) -> None:
+    """preact_out = A @ B (gate/up interleaved; None: not stored), postact_out = activation of it; B [E, K, 2F]
+    read through the concatenated layout. ``reserved``: SMs to leave free."""
+    mod = linear_act_mod(activation, gated=True, has_c=False, has_rowvec=False, has_colvec=False)
+    B_d = B.mT  # concat layouts take B (n, k), no (k, n) relabel: as QuACK's gemm_gated passes it
+    key = ("gated", config, dynamic, activation, A.device, cu_seqlens_m is None, A_idx is None)
+    key += (_layout(A), _layout(B_d), _layout(preact_out), _layout(postact_out))
+    epi_args = {"mAuxOut": postact_out}
+    args = (A, B_d, preact_out, None, epi_args, config, dynamic, cu_seqlens_m, A_idx, False, ("B",), reserved)
+    _epilogue_gemm(mod, key, *args)
+
+
+def gemm_dgated(
+    config, dynamic, A, B, preact, dx_out, postact_out, colvec_scale, activation, cu_seqlens_m, A_idx, reserved=0
+):
+    """The dgated GEMM; returns its colvec reduction per row (fp32): sum over f of postact * unscaled dout, from
+    per-(row, N tile) partials (what QuACK's gemm_dgated allocates and sums). ``reserved``: SMs to leave free."""
+    mod = dgated_mod(activation, has_scale=True, has_reduce=True)
+    rows = A_idx.shape[0] if A_idx is not None else A.shape[0]
+    partials = torch.empty(rows, -(-B.shape[-1] // config.tile_n), dtype=torch.float32, device=A.device)
+    key = ("dgated", config, dynamic, activation, A.device, cu_seqlens_m is None, A_idx is None)
+    key += (_layout(A), _layout(B), _layout(preact), _layout(dx_out), _layout(postact_out), _layout(colvec_scale))
+    epi_args = {"mColVecBroadcast": colvec_scale, "mAuxOut": postact_out, "mColVecReduce": partials}
+    args = (A, B, dx_out, preact, epi_args, config, dynamic, cu_seqlens_m, A_idx, True, None, reserved)
+    _epilogue_gemm(mod, key, *args)
+    return partials.sum(dim=-1)
