@@ -18,9 +18,9 @@ a benchmark's ``--tuning``) for the launches after it.
     SONIC_MEGATRON_CUTE_TILES   overrides single GEMMs under ``heuristic``, e.g. ``dx=P192x128c12,dw1=C256x192c21``
         (GEMM = one of ``GEMMS``; C = cooperative, P = Ping-Pong, tile_m x tile_n, optional cluster m n, default
         c21); for tile sweeps without code changes.
-    SONIC_MEGATRON_CACHE_DIR    the folder QuACK keeps compiled kernels and autotuning results in across
-        processes (default ``$XDG_CACHE_HOME/sonic_megatron/quack``, ``~/.cache/sonic_megatron/quack``); used
-        when the ``cute`` backend is first imported, unless ``QUACK_CACHE_DIR`` is already set.
+    SONIC_MEGATRON_CACHE_DIR    not read any more: a value fails, naming QuACK's own variables. QuACK keeps
+        compiled kernels across processes under ``QUACK_CACHE_DIR`` and autotuning results under ``QUACK_HOME``
+        (both read when QuACK is first imported; ``kernels/cute/quack_adapter.py`` says where they default to).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ TUNINGS = ("heuristic", "autotune", "default")
 GEMMS = ("up", "down", "dh", "dw2", "dx", "dw1")  # the cute backend's six grouped GEMMs (kernels/cute/ops.py)
 TUNING_VAR = "SONIC_MEGATRON_CUTE_TUNING"
 TILES_VAR = "SONIC_MEGATRON_CUTE_TILES"
-CACHE_DIR_VAR = "SONIC_MEGATRON_CACHE_DIR"
+CACHE_DIR_VAR = "SONIC_MEGATRON_CACHE_DIR"  # refused with a pointer to QuACK's variables
 ENV_VARS = (TUNING_VAR, TILES_VAR, CACHE_DIR_VAR)  # every variable the kernels read
 _TILE_RE = re.compile(r"^([CP])(\d+)x(\d+)(?:c([12])([12]))?$")
 
@@ -74,11 +74,6 @@ def parse_tiles(value: str, source: str = TILES_VAR) -> tuple[tuple[str, TileSpe
     return tuple(sorted(out.items()))
 
 
-def default_cache_dir(environ: Mapping[str, str]) -> str:
-    root = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "sonic_megatron", "quack")
-
-
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
     """Tuning of the ``cute`` backend (see the module docstring for each field's environment variable).
@@ -88,7 +83,6 @@ class KernelOptions:
 
     tuning: str = "heuristic"
     tiles: tuple[tuple[str, TileSpec], ...] = ()
-    cache_dir: str | None = None  # None: default_cache_dir of the environment
 
     def __post_init__(self) -> None:
         if self.tuning not in TUNINGS:
@@ -113,12 +107,12 @@ class KernelOptions:
         if tuning not in TUNINGS:
             raise ValueError(f"{TUNING_VAR} must be one of {TUNINGS}, got {tuning!r}")
         tiles = parse_tiles(environ.get(TILES_VAR, ""))
-        cache_dir = environ.get(CACHE_DIR_VAR) or default_cache_dir(environ)
-        return cls(tuning=tuning, tiles=tiles, cache_dir=cache_dir)
-
-    def cache_folder(self) -> str:
-        """``cache_dir``, or the default folder under the user's cache root."""
-        return self.cache_dir or default_cache_dir(os.environ)
+        if environ.get(CACHE_DIR_VAR):
+            raise ValueError(
+                f"{CACHE_DIR_VAR} is no longer read, got {environ[CACHE_DIR_VAR]!r}: set QUACK_CACHE_DIR (QuACK's "
+                "compiled kernels) and QUACK_HOME (its autotuning results) instead, before the cute backend is imported"
+            )
+        return cls(tuning=tuning, tiles=tiles)
 
 
 _resolved: KernelOptions | None = None
@@ -132,8 +126,7 @@ def kernel_options() -> KernelOptions:
 
 
 def set_kernel_options(options: KernelOptions) -> None:
-    """Use ``options`` for every launch from now on (replacing the environment's or earlier ones). The cache
-    folder is used only when the ``cute`` backend is first imported: changing it afterwards has no effect."""
+    """Use ``options`` for every launch from now on (replacing the environment's or earlier ones)."""
     global _resolved
     if not isinstance(options, KernelOptions):
         raise TypeError(f"set_kernel_options: options must be a KernelOptions, got {type(options).__name__}")

@@ -45,7 +45,7 @@ ENV_PREFIX = "SONIC_MEGATRON_"
 OTHER_ENV_VARS = (
     "SONIC_MEGATRON_CUTE_TUNING",  # kernels/options.py: tile policy of the cute backend
     "SONIC_MEGATRON_CUTE_TILES",  # kernels/options.py: per-GEMM tile overrides
-    "SONIC_MEGATRON_CACHE_DIR",  # kernels/options.py: compiled-kernel cache folder
+    "SONIC_MEGATRON_CACHE_DIR",  # kernels/options.py: no longer read; a value fails naming QuACK's variables
     "SONIC_MEGATRON_MLM_DIR",  # tests/test_megatron_launcher_spec.py: a Megatron-LM checkout
 )
 BOOL_WORDS = {"0": False, "1": True, "false": False, "true": True, "no": False, "yes": True}

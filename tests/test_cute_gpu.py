@@ -161,27 +161,11 @@ def test_cute_bitwise_deterministic():
         assert torch.equal(a[name], b[name]), name
 
 
-def test_reserve_sms_same_bits_fewer_clusters():
-    """GEMMs inside ``reserve_sms`` launch fewer clusters (QuACK's grid argument) and give the same bits."""
+def test_reserve_sms_same_bits():
+    """The layer inside ``reserve_sms`` gives the same bits (its default-epilogue GEMMs on fewer clusters)."""
     require_cute()
-    import quack.gemm
-    import quack.gemm_act
-    import quack.gemm_dact
-    from quack import cute_dsl_utils
     from sonic_megatron.kernels.cute.ops import reserve_sms
-    from sonic_megatron.kernels.sm_reservation import reserved_sms
 
-    torch.zeros(1, device="cuda")  # a current CUDA context (the cluster query needs one; alone, no test made it)
-    full = cute_dsl_utils.get_max_active_clusters(2)
-    for module in (quack.gemm, quack.gemm_act, quack.gemm_dact):
-        assert module.get_max_active_clusters(2) == full, module.__name__
-        with reserve_sms(16):
-            assert reserved_sms() == 16
-            assert module.get_max_active_clusters(2) == full - 8, module.__name__
-        assert reserved_sms() == 0
-        with reserve_sms(16, gemms=1):  # only the first GEMM launched inside leaves SMs free
-            assert module.get_max_active_clusters(2) == full - 8, module.__name__
-            assert module.get_max_active_clusters(2) == full, module.__name__
     args = _case(4096, 512, 256, 32, 4, kind="hot", seed=4)
     a = _run("cute", *args)
     with reserve_sms(40):
@@ -192,53 +176,100 @@ def test_reserve_sms_same_bits_fewer_clusters():
         pass
 
 
-@contextlib.contextmanager
-def _quack_path_only():
-    """Test-only: every launch of the launch cache takes QuACK's own Python path (nothing recorded or cached)."""
-    from sonic_megatron.kernels.cute.quack_adapter import LAUNCHES
-
-    def quack_path(site_key, inputs, slow, ctx=None):
-        return slow()
-
-    LAUNCHES.launch = quack_path  # an instance attribute shadows the method
-    try:
-        yield
-    finally:
-        del LAUNCHES.launch
-
-
-def test_cached_quack_launches_give_the_same_bits():
-    """``quack_adapter.LAUNCHES`` (kernels/launch_cache.py): after a signature's first call the backend launches
-    QuACK's compiled kernels directly. Output and every gradient equal QuACK's own path bitwise, at the recorded
-    size and at other sizes (same signature), all six GEMMs of a forward + backward take the cached launch, and
-    its grid follows the SM reservation as QuACK's does."""
-    require_cute()
-    from quack import cute_dsl_utils
-    from quack.tile_scheduler import TileSchedulerOptions
+def _quack_and_adapter_calls(gemm, config, rows, E, F, D, gen):
+    """(QuACK's own call, ours through quack_adapter with ``reserved`` SMs left free) of one GEMM of the backend at
+    ``rows`` routed rows over E experts, each filling fresh outputs and returning them."""
+    from quack import gemm_interface as qgemm
     from sonic_megatron.kernels.cute import quack_adapter
-    from sonic_megatron.kernels.sm_reservation import reserve_sms
 
-    launches = quack_adapter.LAUNCHES
-    for T, kind in ((4096, "hot"), (1000, "uniform"), (3001, "single")):
-        args = _case(T, 512, 256, 32, 4, kind=kind, seed=5)
-        with _quack_path_only():
-            want = _run("cute", *args)
-        _run("cute", *args)  # records any signature not seen yet
-        before = launches.stats["fast"]
-        got = _run("cute", *args)
-        assert launches.stats["fast"] - before == 6, T
-        for name in want:
-            assert torch.equal(want[name], got[name]), (T, name)
-    torch.zeros(1, device="cuda")
-    full = cute_dsl_utils.get_max_active_clusters(2)
-    recorded = TileSchedulerOptions(max_active_clusters=quack_adapter._int32(1))
-    scheduler_now = quack_adapter._scheduler_now
-    assert scheduler_now(recorded, (2, None)).max_active_clusters.value == full
-    with reserve_sms(16, gemms=1):
-        assert scheduler_now(recorded, (2, None)).max_active_clusters.value == full - 8
-        assert scheduler_now(recorded, (2, None)).max_active_clusters.value == full
-    sem = torch.zeros(1, dtype=torch.int32, device="cuda")
-    assert scheduler_now(recorded, (2, sem)).tile_count_semaphore == sem.data_ptr()
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    counts = torch.randint(0, 2 * rows // E, (E,), generator=gen, device="cuda")
+    cu = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
+    cu[1:] = counts.cumsum(0)
+    R, T = int(cu[-1]), rows
+    idx = torch.randint(0, T, (R,), generator=gen, device="cuda", dtype=torch.int32)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, **bf16) * scale
+
+    def empty(*shape, dtype=torch.bfloat16):
+        return torch.full(shape, float("nan"), device="cuda", dtype=dtype)
+
+    if gemm in ("down", "dx", "dw2"):
+        if gemm == "down":  # A [R, F] x W2_e^T, varlen-M
+            A, B = randn(R, F), randn(E, D, F, scale=F**-0.5).permute(0, 2, 1)
+            shape, kw = (R, D), (cu, None, None, None)
+        elif gemm == "dx":  # dH [R, 2F] x W1_e through the concatenated layout, varlen-M
+            A, B, shape, kw = randn(R, 2 * F), randn(E, 2 * F, D, scale=F**-0.5), (R, D), (cu, None, None, ("B",))
+        else:  # dO^T gathered along K x A', varlen-K
+            A, B, shape, kw = randn(T, D).t(), randn(R, F), (E, D, F), (None, cu, idx, None)
+        names = ("cu_seqlens_m", "cu_seqlens_k", "A_idx", "concat_layout")
+
+        def quack():
+            out = empty(*shape)
+            qgemm.gemm_tuned.fn(A, B, out, dynamic_scheduler=False, config=config, **dict(zip(names, kw, strict=True)))
+            return (out,)
+
+        def ours(reserved):
+            out = empty(*shape)
+            quack_adapter.gemm(config, False, A, B, out, *kw, False, reserved=reserved)
+            return (out,)
+
+    elif gemm == "up":  # X rows gathered x W1_e (concatenated [gate ; up]), SwiGLU epilogue
+        x, B = randn(T, D), randn(E, 2 * F, D, scale=D**-0.5).permute(0, 2, 1)
+
+        def quack():
+            h, a = empty(R, 2 * F), empty(R, F)
+            qgemm.gemm_gated(x, B, preact_out=h, postact_out=a, activation="swiglu", cu_seqlens_m=cu, A_idx=idx,
+                             store_preact=True, dynamic_scheduler=False, tuned=False, config=config,
+                             concat_layout=("B",))  # fmt: skip
+            return h, a
+
+        def ours(reserved):
+            h, a = empty(R, 2 * F), empty(R, F)
+            quack_adapter.gemm_gated(config, False, x, B, h, a, "swiglu", cu, idx, reserved=reserved)
+            return h, a
+
+    else:  # "dh": dO rows gathered x W2_e, dSwiGLU epilogue with the scores, dS per row
+        dO, w2, h = randn(T, D), randn(E, D, F, scale=F**-0.5), randn(R, 2 * F)
+        s = torch.rand(R, generator=gen, device="cuda")
+
+        def quack():
+            dh, a = empty(R, 2 * F), empty(R, F)
+            ds = qgemm.gemm_dgated(dO, w2, h, activation="swiglu", dx_out=dh, postact_out=a, colvec_scale=s,
+                                   colvec_reduce=True, cu_seqlens_m=cu, A_idx=idx, dynamic_scheduler=False,
+                                   tuned=False, config=config)[2]  # fmt: skip
+            return dh, a, ds
+
+        def ours(reserved):
+            dh, a = empty(R, 2 * F), empty(R, F)
+            ds = quack_adapter.gemm_dgated(config, False, dO, w2, h, dh, a, s, "swiglu", cu, idx, reserved=reserved)
+            return dh, a, ds
+
+    return quack, ours
+
+
+@pytest.mark.parametrize("gemm", ["up", "down", "dh", "dx", "dw2"])
+def test_replayed_plans_equal_quacks_own_call(gemm):
+    """``quack_adapter`` launches QuACK's plan of a signature's first call at later calls (``replay_plan``,
+    ``run_gemm_epi_plan``) at other sizes and, with ``reserved``, on fewer clusters: bitwise QuACK's own call
+    (``gemm_tuned.fn``, ``gemm_gated``, ``gemm_dgated``) at each size. Fails when QuACK changes those entries or
+    what its plans hold."""
+    require_cute()
+    from sonic_megatron.kernels.cute import quack_adapter
+    from sonic_megatron.kernels.cute.configs import heuristic_config
+
+    E, F, D = 8, 256, 512
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    config = heuristic_config(gemm, F, D)
+    for rows in (1000, 4096, 333):  # the first records; the others replay
+        quack, ours = _quack_and_adapter_calls(gemm, config, rows, E, F, D, gen)
+        want = quack()
+        for reserved in (0, 40):
+            for w, g in zip(want, ours(reserved), strict=True):
+                assert torch.equal(g, w), (gemm, rows, reserved)
+    plans = {**quack_adapter._DECIDED, **quack_adapter._EPI_PLANS}
+    assert any(config in k for k in plans), "the first call's plan was not kept"
 
 
 @pytest.mark.parametrize("where", ["past_reservation", "every_launch"])
@@ -246,22 +277,29 @@ def test_dynamic_tile_scheduler_gives_the_same_bits(where, monkeypatch):
     """QuACK's dynamic persistent tile scheduler (CTAs take tiles from an atomic counter) in the launches past
     the reserved ones of ``reserve_sms(n, gemms=k)`` (``ops._dynamic``; here the forward's down GEMM, the
     reservation covers the forward only), or, test-only, in every launch (all six GEMM kinds). Output and every
-    gradient equal the static scheduler's bitwise, on QuACK's path and on the cached launch (a fresh counter per
-    launch: a stale one would skip tiles)."""
+    gradient equal the static scheduler's bitwise, at the first call and the later ones (QuACK allocates a fresh
+    counter per launch: a stale one would skip tiles)."""
     require_cute()
     from sonic_megatron.kernels.cute import ops
 
     counters = []
-    semaphore = ops._semaphore
-    monkeypatch.setattr(ops, "_semaphore", lambda dev: counters.append(1) or semaphore(dev))
+    dynamic = ops._dynamic
+
+    def counted():
+        d = dynamic()
+        if d:
+            counters.append(1)
+        return d
+
+    monkeypatch.setattr(ops, "_dynamic", counted)
     for T, kind in ((4096, "hot"), (3001, "uniform")):
         args = _case(T, 512, 256, 32, 4, kind=kind, seed=7)
         want = _run("cute", *args)  # no reservation: the static scheduler everywhere
         assert not counters
         with monkeypatch.context() as patch:
             if where == "every_launch":
-                patch.setattr(ops, "_dynamic", lambda: True)
-            for _ in range(3):  # first: records (QuACK's path), then cached launches
+                patch.setattr(ops, "_dynamic", lambda: counters.append(1) or True)
+            for _ in range(3):  # first: QuACK builds its launch plan, then replays it
                 got = _run("cute", *args, forward_ctx=lambda: ops.reserve_sms(16, gemms=1))
                 for name in want:
                     assert torch.equal(want[name], got[name]), (where, T, name)

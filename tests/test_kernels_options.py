@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import os
 import pathlib
 import re
 import sys
@@ -29,17 +28,17 @@ def fresh_options(monkeypatch):
 
 def test_defaults_from_an_empty_environment():
     got = KernelOptions.from_env({"XDG_CACHE_HOME": "/cache"})
-    assert got == KernelOptions(tuning="heuristic", tiles=(), cache_dir="/cache/sonic_megatron/quack")
+    assert got == KernelOptions(tuning="heuristic", tiles=())
 
 
 def test_values_from_the_environment_are_parsed():
     env = {
         "SONIC_MEGATRON_CUTE_TUNING": "autotune",
         "SONIC_MEGATRON_CUTE_TILES": " dx=P192x128c12, dw1=C256x192 ,",
-        "SONIC_MEGATRON_CACHE_DIR": "/kernels",
+        "SONIC_MEGATRON_CACHE_DIR": "",  # empty: unset
     }
     got = KernelOptions.from_env(env)
-    assert got.tuning == "autotune" and got.cache_dir == "/kernels"
+    assert got.tuning == "autotune"
     assert got.tiles == (("dw1", TileSpec(False, 256, 192, 2, 1)), ("dx", TileSpec(True, 192, 128, 1, 2)))
 
 
@@ -92,20 +91,21 @@ def test_a_bad_variable_fails_at_first_use(fresh_options):
         kernel_options()
 
 
-def test_cache_folder_default_and_override():
-    assert KernelOptions(cache_dir="/k").cache_folder() == "/k"
-    assert KernelOptions().cache_folder().endswith(os.path.join("sonic_megatron", "quack"))
+def test_the_old_cache_folder_variable_names_quacks_own():
+    """QuACK's compile cache is QuACK's to place (QUACK_CACHE_DIR): the plugin writes no environment variable."""
+    with pytest.raises(ValueError, match="SONIC_MEGATRON_CACHE_DIR is no longer read.*QUACK_CACHE_DIR"):
+        KernelOptions.from_env({"SONIC_MEGATRON_CACHE_DIR": "/kernels"})
 
 
 def test_no_environment_reads_outside_option_resolution():
     """Launch paths read ``kernel_options()``, never the environment: in kernels/ only options.py (resolution)
-    and the QuACK adapter (QuACK's cache variables before QuACK is imported) touch os.environ."""
+    touches os.environ (the QuACK adapter leaves QuACK's variables to the user)."""
     readers = {
         str(path.relative_to(KERNELS))
         for path in KERNELS.rglob("*.py")
         if re.search(r"os\.environ|getenv", path.read_text())
     }
-    assert readers == {"options.py", "cute/quack_adapter.py"}, readers
+    assert readers == {"options.py"}, readers
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -138,14 +138,24 @@ def _import_adapter(monkeypatch, versions: dict[str, str]):
     "versions, message",
     [
         (
-            {"quack-kernels": "0.4.0", "nvidia-cutlass-dsl": "4.4.2"},
-            "quack-kernels 0.4.0 is installed; the cute backend supports quack-kernels==0.4.1 only",
+            {"quack-kernels": "0.4.1", "nvidia-cutlass-dsl": "4.4.2"},
+            "quack-kernels 0.4.1 is installed; the cute backend supports quack-kernels>=0.6.5,<0.7, "
+            "nvidia-cutlass-dsl>=4.7,<4.9 (the hopper extra); found: quack-kernels 0.4.1, nvidia-cutlass-dsl 4.4.2",
         ),
         (
-            {"quack-kernels": "0.4.1", "nvidia-cutlass-dsl": "4.5.0"},
-            "nvidia-cutlass-dsl 4.5.0 is installed; the cute backend supports nvidia-cutlass-dsl==4.4.2 only",
+            {"quack-kernels": "0.7.0", "nvidia-cutlass-dsl": "4.7.1"},
+            "quack-kernels 0.7.0 is installed; the cute backend supports quack-kernels>=0.6.5,<0.7",
         ),
-        ({"nvidia-cutlass-dsl": "4.4.2"}, "quack-kernels is not installed; the cute backend supports"),
+        (
+            {"quack-kernels": "0.6.5", "nvidia-cutlass-dsl": "4.9.0"},
+            "nvidia-cutlass-dsl 4.9.0 is installed; the cute backend supports quack-kernels>=0.6.5,<0.7, "
+            "nvidia-cutlass-dsl>=4.7,<4.9 (the hopper extra); found: quack-kernels 0.6.5, nvidia-cutlass-dsl 4.9.0",
+        ),
+        (
+            {"nvidia-cutlass-dsl": "4.7.1"},
+            "quack-kernels is not installed; the cute backend supports quack-kernels>=0.6.5,<0.7, "
+            "nvidia-cutlass-dsl>=4.7,<4.9 (the hopper extra); found: quack-kernels not installed",
+        ),
     ],
 )
 def test_other_quack_versions_are_refused(monkeypatch, versions, message):
@@ -154,9 +164,16 @@ def test_other_quack_versions_are_refused(monkeypatch, versions, message):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path past the version check")
-def test_supported_versions_pass_the_check(monkeypatch):
+@pytest.mark.parametrize(
+    "versions",
+    [
+        {"quack-kernels": "0.6.5", "nvidia-cutlass-dsl": "4.7.0"},
+        {"quack-kernels": "0.6.9.post1", "nvidia-cutlass-dsl": "4.8.1"},
+    ],
+)
+def test_supported_versions_pass_the_check(monkeypatch, versions):
     with pytest.raises(ImportError, match="the cute backend needs a CUDA build of torch and a GPU"):
-        _import_adapter(monkeypatch, {"quack-kernels": "0.4.1", "nvidia-cutlass-dsl": "4.4.2"})
+        _import_adapter(monkeypatch, versions)
 
 
 def test_auto_backend_falls_back_saying_why(monkeypatch):
@@ -167,4 +184,4 @@ def test_auto_backend_falls_back_saying_why(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.1")
     _forget_cute(monkeypatch)
     reason = interface.cute_unavailable_reason(torch.device("cuda"))
-    assert "quack-kernels 0.0.1 is installed; the cute backend supports quack-kernels==0.4.1" in reason
+    assert "quack-kernels 0.0.1 is installed; the cute backend supports quack-kernels>=0.6.5,<0.7" in reason

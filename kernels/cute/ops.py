@@ -1,6 +1,6 @@
 """Backend ``cute``: SonicMoE's eight experts kernels on Hopper, with ``kernels/torch_backend.py``'s contract.
 
-Shape legend: see ``kernels/routing.py``; G = 2F (gated). The six grouped GEMMs are QuACK 0.4.1 CuTe-DSL
+Shape legend: see ``kernels/routing.py``; G = 2F (gated). The six grouped GEMMs are QuACK 0.6 CuTe-DSL
 kernels (SonicMoE's design); aggregation and the dX sum are our Triton ``gather_sum``:
 
     up    gemm_gated  X rows gathered by x_gather_idx (varlen-M) x W1_e, SwiGLU epilogue stores H and A
@@ -18,21 +18,27 @@ Weights stay in Megatron's layout (w1_EGD [E, 2F, D] with ``[gate ; up]`` rows, 
 gate/up pairs, so no weight is ever copied. H and dH live in the interleaved layout [R, (gate_f, up_f)...]
 that the gated epilogues produce; only this backend reads them. No host sync anywhere (varlen GEMMs read
 expert_offsets on the device). The tuning (``kernels/options.py``, resolved once) picks the tiles: under the default
-``heuristic`` every GEMM launch goes through ``quack_adapter.LAUNCHES`` (kernels/launch_cache.py): QuACK's Python
-path on a call signature's first call, the compiled kernel directly after; and the GEMMs that take every SM while
-a collective may still hold some (past the reserved launches of ``reserve_sms(n, gemms=k)``) use QuACK's dynamic
-tile scheduler (``_dynamic``). ``autotune`` and ``default`` call QuACK's public interface.
+``heuristic`` on Hopper every GEMM gets its tile config from ``configs.py`` (``quack_adapter`` passes it to QuACK,
+replays QuACK's launch plans and runs them on fewer SMs inside ``reserve_sms``), and
+the GEMMs that take every SM while a collective may still hold some (past the reserved launches of
+``reserve_sms(n, gemms=k)``) use QuACK's dynamic tile scheduler (``_dynamic``). ``autotune`` and ``default`` leave
+the config to QuACK.
+
+Blackwell (sm_100): QuACK 0.6's interface functions pick their SM100 kernels by the device's compute capability
+and take the same arguments, so the calls are the same; the heuristic tiles were measured on Hopper only, so on
+any other GPU the heuristic tuning takes QuACK's per-architecture default config (``_tuning``). Untested: no
+Blackwell GPU was available.
 """
 
 from __future__ import annotations
 
 import torch
-from quack import gemm_interface as qgemm  # after the package's quack_adapter: versions checked, cache set
+from quack import gemm_interface as qgemm  # after the package's quack_adapter: versions checked
 
-from ..backends import cute_config_reason
+from ..backends import cute_config_reason, warn_once
 from ..options import kernel_options
 from ..routing import RoutingMetadata
-from ..sm_reservation import past_reservation, reserve_sms
+from ..sm_reservation import past_reservation, reserve_sms, take_reservation
 from ..torch_backend import check_weight_grad_out
 from ..triton import compute_metadata_topk_triton, compute_metadata_triton, gather_sum
 from . import quack_adapter
@@ -91,20 +97,36 @@ def _dynamic() -> bool:
     return past_reservation()
 
 
-def _semaphore(device):
-    """A zeroed tile counter for one dynamic launch (QuACK's varlen-M scheduler leaves its counter non-zero)."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
+def _tuning(device) -> str:
+    """The tuning in force for a launch on ``device``: ``kernel_options().tuning``, except that the heuristic
+    tiles (measured on Hopper) give way to QuACK's per-architecture default config on other GPUs."""
+    tuning = kernel_options().tuning
+    if tuning == "heuristic" and torch.cuda.get_device_capability(device)[0] != 9:
+        return "default"
+    return tuning
 
 
-def _heuristic_launch(
-    gemm: str, F: int, D: int, tiles: tuple, device, main_grad: str | None = None, rows_multiple: int = 0
-):
-    """(tile config, tile counter) of a GEMM launched now under the heuristic tuning: the counter (zeroed) when
-    the launch uses the dynamic tile scheduler (``_dynamic``), else None. ``main_grad``: "add" / "store" for a
-    weight GEMM writing into a caller's accumulator; ``rows_multiple``: ``RoutingMetadata.rows_multiple``."""
+def _take_reservation(honoured: bool) -> int:
+    """The SMs the GEMM launched now leaves free (``reserve_sms(n, gemms=k)``; the launch counts against k).
+    ``honoured``: the launch can run on fewer SMs (the heuristic tuning's launches, ``quack_adapter.on_fewer_sms``);
+    under the autotune and default tunings QuACK's own functions launch, on every SM, which the first such launch
+    inside a reservation says once."""
+    reserved = take_reservation()
+    if reserved > 0 and not honoured:
+        warn_once(
+            "reserve_sms / comm_sms > 0: under the autotune and default tunings the cute backend's GEMMs run on "
+            "every SM (QuACK's own functions launch them); the heuristic tuning leaves the SMs free"
+        )
+    return reserved
+
+
+def _heuristic_launch(gemm: str, F: int, D: int, tiles: tuple, main_grad: str | None = None, rows_multiple: int = 0):
+    """(tile config, dynamic, reserved SMs) of a GEMM launched now under the heuristic tuning: ``dynamic`` when the
+    launch uses the dynamic tile scheduler (``_dynamic``). ``main_grad``: "add" / "store" for a weight GEMM
+    writing into a caller's accumulator; ``rows_multiple``: ``RoutingMetadata.rows_multiple``."""
     dynamic = _dynamic()
-    config = heuristic_config(gemm, F, D, tiles, dynamic, main_grad, rows_multiple)
-    return config, (_semaphore(device) if dynamic else None)
+    reserved = _take_reservation(honoured=True)
+    return heuristic_config(gemm, F, D, tiles, dynamic, main_grad, rows_multiple), dynamic, reserved
 
 
 def _gemm(
@@ -126,12 +148,13 @@ def _gemm(
     """out = A @ B, or out += A @ B with ``add_to_output`` (each element is added once, by the one tile that owns
     it, so the result is deterministic; not with varlen-M). Under the heuristic tuning the epilogue loads out as
     its C operand (``quack_adapter.gemm``); the autotune and default tunings take QuACK's ``gemm_add_inplace``."""
-    options = kernel_options()
-    if options.tuning == "heuristic":
-        config, sem = _heuristic_launch(gemm, F, D, options.tiles, A.device, main_grad, rows_multiple)
+    tuning = _tuning(A.device)
+    if tuning == "heuristic":
+        config, dynamic, reserved = _heuristic_launch(gemm, F, D, kernel_options().tiles, main_grad, rows_multiple)
         args = (A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx, concat_layout, add_to_output)
-        quack_adapter.gemm(config, sem, *args)
+        quack_adapter.gemm(config, dynamic, *args, reserved=reserved)
     else:
+        _take_reservation(honoured=False)
         (qgemm.gemm_add_inplace if add_to_output else qgemm.gemm)(
             A,
             B,
@@ -140,17 +163,19 @@ def _gemm(
             cu_seqlens_k=cu_seqlens_k,
             A_idx=A_idx,
             dynamic_scheduler=False,
-            tuned=options.tuning == "autotune",
+            tuned=tuning == "autotune",
             concat_layout=concat_layout,
         )
 
 
 def _gemm_gated(F: int, A, B, preact_out, postact_out, activation, cu_seqlens_m, A_idx):
-    options = kernel_options()
-    if options.tuning == "heuristic":
-        config, sem = _heuristic_launch("up", F, A.shape[1], options.tiles, A.device)
-        quack_adapter.gemm_gated(config, sem, A, B, preact_out, postact_out, activation, cu_seqlens_m, A_idx)
+    tuning = _tuning(A.device)
+    if tuning == "heuristic":
+        config, dynamic, reserved = _heuristic_launch("up", F, A.shape[1], kernel_options().tiles)
+        args = (A, B, preact_out, postact_out, activation, cu_seqlens_m, A_idx)
+        quack_adapter.gemm_gated(config, dynamic, *args, reserved=reserved)
     else:
+        _take_reservation(honoured=False)
         qgemm.gemm_gated(
             A,
             B,
@@ -161,23 +186,19 @@ def _gemm_gated(F: int, A, B, preact_out, postact_out, activation, cu_seqlens_m,
             A_idx=A_idx,
             store_preact=preact_out is not None,
             dynamic_scheduler=False,
-            tuned=options.tuning == "autotune",
+            tuned=tuning == "autotune",
             concat_layout=("B",),
         )
 
 
 def _gemm_dgated(F: int, A, B, preact, dx_out, postact_out, colvec_scale, activation, cu_seqlens_m, A_idx):
     """dH GEMM; returns dS per row (fp32). Varlen-M with gathered A only (as ``backward_data`` calls it)."""
-    options = kernel_options()
-    if options.tuning == "heuristic":
-        config, sem = _heuristic_launch("dh", F, A.shape[1], options.tiles, A.device)
-        # The colvec reduction's per-(row, N tile) partials, which QuACK's gemm_dgated_tuned would allocate
-        # itself: allocated here, so that the launch reads only our tensors (cacheable), and summed below as
-        # gemm_dgated_tuned sums them.
-        partial = torch.empty(A_idx.shape[0], -(-F // config.tile_n), dtype=torch.float32, device=A.device)
-        args = (A, B, preact, dx_out, postact_out, colvec_scale, partial, activation, cu_seqlens_m, A_idx)
-        quack_adapter.gemm_dgated(config, sem, *args)
-        return partial.sum(dim=-1)
+    tuning = _tuning(A.device)
+    if tuning == "heuristic":
+        config, dynamic, reserved = _heuristic_launch("dh", F, A.shape[1], kernel_options().tiles)
+        args = (A, B, preact, dx_out, postact_out, colvec_scale, activation, cu_seqlens_m, A_idx)
+        return quack_adapter.gemm_dgated(config, dynamic, *args, reserved=reserved)
+    _take_reservation(honoured=False)
     return qgemm.gemm_dgated(
         A,
         B,
@@ -190,7 +211,7 @@ def _gemm_dgated(F: int, A, B, preact, dx_out, postact_out, colvec_scale, activa
         cu_seqlens_m=cu_seqlens_m,
         A_idx=A_idx,
         dynamic_scheduler=False,
-        tuned=options.tuning == "autotune",
+        tuned=tuning == "autotune",
     )[2]
 
 

@@ -1,236 +1,285 @@
-"""Every use of QuACK's and CuTe-DSL's internals, in one place, checked against the tested versions.
+"""Every call into QuACK, in one place, checked against the supported version range.
 
-``ops.py`` calls QuACK's public ``quack.gemm_interface`` functions (the ``autotune`` and ``default`` tunings) and,
-under the ``heuristic`` tuning, the three launch functions here, which reach below that interface:
+``ops.py`` calls QuACK's ``gemm`` / ``gemm_add_inplace`` / ``gemm_gated`` / ``gemm_dgated`` itself under the
+``autotune`` and ``default`` tunings. Under ``heuristic`` it calls the three functions here with a given
+``GemmConfig``; each launches QuACK's own launch plan of the first call of its signature at every later call:
+QuACK compiles a GEMM for dtypes, majors and flags and takes sizes at run time, so one plan serves every size,
+while QuACK's own plan caches key on the full shapes, and an expert-parallel layer's row counts change at every
+call. Inside ``reserve_sms(n)`` a plan runs on fewer clusters (``on_fewer_sms``: its ``max_active_clusters`` and
+scheduler arguments).
 
-- ``gemm`` / ``gemm_gated`` / ``gemm_dgated`` run a GEMM with a given ``GemmConfig`` through the autotuner's
-  undecorated function (``gemm_tuned.fn``, ``gemm_gated_tuned.fn``) or ``quack.gemm_dact.gemm_dact``, and go
-  through ``LAUNCHES``: after a call signature's first call the compiled kernel is called directly with
-  arguments rebuilt from our tensors (``kernels/launch_cache.py``), which needs QuACK's compile-cache function
-  names and its scheduler options type (``TileSchedulerOptions``, rebuilt per call by ``_scheduler_now``);
-- the SM budget: QuACK 0.4.1 sizes a persistent GEMM's grid with ``get_max_active_clusters``, looked up at call
-  time in the modules of the three GEMM families we call (``quack.gemm``, ``quack.gemm_act``,
-  ``quack.gemm_dact``): a runtime argument of the compiled kernel, not part of its compile key. Importing this
-  module points those three names at a wrapper that subtracts the reservation of the calling context
-  (``kernels/sm_reservation.py``: ``reserve_sms(n, gemms=k)``) and leaves QuACK's value untouched outside it.
-  The tiles are the same, only how many CTAs share them changes: results are bitwise equal;
-- QuACK's compile cache: it keeps compiled kernels and autotuning results under ``QUACK_CACHE_DIR``, read when
-  QuACK is imported; unless the caller set it, it is pointed at ``KernelOptions.cache_folder()``
-  (``SONIC_MEGATRON_CACHE_DIR``), so a restarted job loads kernels instead of compiling them again.
+- ``gemm`` (the default-epilogue GEMMs: down, dX~, dW1, dW2): the first call runs ``gemm_tuned.fn`` (the
+  autotuner's undecorated function: QuACK's ``gemm`` takes no config), which returns its dispatch plan; later calls
+  go through QuACK's warm-launch entry with it (``replay_plan``);
+- ``gemm_gated`` / ``gemm_dgated``: QuACK's epilogue modules of those GEMMs (``linear_act_mod``, ``dgated_mod``)
+  with the arguments QuACK's functions of those names give them; the first call runs the module's ``gemm``, which
+  returns its plan, later calls ``run_gemm_epi_plan``.
 
-These depend on QuACK's and CuTe-DSL's private structure, so importing this module first checks the installed
-versions against ``SUPPORTED`` and raises ``UnsupportedVersionError`` (an ImportError: ``backend="auto"`` then
-falls back to ``torch`` with a warning that says why) naming the package, the found and the supported version.
+QuACK keeps compiled kernels under ``QUACK_CACHE_DIR`` (read when QuACK is imported; default a folder under the
+system's temporary directory, kept across processes) and autotuning results under ``QUACK_HOME``; set them before
+the first import of the backend to move them. Nothing here assigns an attribute of a QuACK module or writes the
+environment.
+
+Importing this module checks the installed versions against ``SUPPORTED`` first and raises
+``UnsupportedVersionError`` (an ImportError: ``backend="auto"`` then falls back to ``torch`` with a warning that
+says why) naming the package, the installed and the supported versions.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
 import importlib.metadata
-import os
+import re
 
 import torch
 
-from ..launch_cache import LaunchCache
-from ..options import kernel_options
-from ..sm_reservation import budgeted_clusters, take_reservation
-
-SUPPORTED = (("quack-kernels", "0.4.1"), ("nvidia-cutlass-dsl", "4.4.2"))  # the tested pins (``hopper`` extra)
+# (package, lowest supported, first unsupported): the ``hopper`` extra's ranges
+SUPPORTED = (("quack-kernels", "0.6.5", "0.7"), ("nvidia-cutlass-dsl", "4.7", "4.9"))
 
 
 class UnsupportedVersionError(ImportError):
-    """An installed QuACK / CuTe-DSL version other than the tested one (or none)."""
+    """An installed QuACK / CuTe-DSL version outside the supported range (or none)."""
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The numeric release of a version string ("4.8.1" -> (4, 8, 1); "0.6.5.dev1" -> (0, 6, 5))."""
+    match = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(p) for p in match.group(0).split(".")) if match else ()
+
+
+def supported_range(lowest: str, first_unsupported: str) -> str:
+    return f">={lowest},<{first_unsupported}"
 
 
 def check_versions() -> None:
-    """Raise UnsupportedVersionError unless every package of ``SUPPORTED`` is installed at its version."""
-    for package, supported in SUPPORTED:
+    """Raise UnsupportedVersionError unless every package of ``SUPPORTED`` is installed within its range."""
+    installed = {}
+    for package, _, _ in SUPPORTED:
         try:
-            found = importlib.metadata.version(package)
+            installed[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
+            installed[package] = None
+    wanted = ", ".join(f"{p}{supported_range(lo, hi)}" for p, lo, hi in SUPPORTED)
+    found = ", ".join(f"{p} {v or 'not installed'}" for p, v in installed.items())
+    for package, lowest, first_unsupported in SUPPORTED:
+        version = installed[package]
+        if version is None:
             raise UnsupportedVersionError(
-                f"{package} is not installed; the cute backend supports {package}=={supported} (the hopper extra)"
-            ) from None
-        if found != supported:
+                f"{package} is not installed; the cute backend supports {wanted} (the hopper extra); found: {found}"
+            )
+        if not _release(lowest) <= _release(version) < _release(first_unsupported):
             raise UnsupportedVersionError(
-                f"{package} {found} is installed; the cute backend supports {package}=={supported} only (it uses "
-                "internals of QuACK and CuTe-DSL that change between versions; the hopper extra pins them)"
+                f"{package} {version} is installed; the cute backend supports {wanted} (the hopper extra); "
+                f"found: {found}"
             )
 
 
 check_versions()  # before importing QuACK: another version may fail to import in less clear ways
 if not torch.cuda.is_available():
     raise ImportError("the cute backend needs a CUDA build of torch and a GPU")
-os.environ.setdefault("QUACK_CACHE_DIR", kernel_options().cache_folder())  # QuACK reads both at import
-os.environ.setdefault("QUACK_CACHE_AUTOTUNING", "1")
 
-from cutlass import Int32  # noqa: E402
-from quack import cute_dsl_utils  # noqa: E402
 from quack import gemm_interface as qgemm  # noqa: E402
+
+try:  # the gated and dgated GEMMs' epilogue modules: imported here, not at their first call in a forward
+    from quack.epilogue.library import dgated_mod, linear_act_mod  # noqa: E402
+except TypeError as exc:  # QuACK's fingerprint of the code its epilogue functions reach
+    raise ImportError(
+        f"QuACK's epilogue library does not import ({exc}). QuACK treats code outside a site-packages or "
+        "dist-packages folder as its own and fingerprints it, which fails on CuTe-DSL's: install quack-kernels and "
+        "nvidia-cutlass-dsl into the Python environment's site-packages (not with pip --target or PYTHONPATH)"
+    ) from exc
 from quack.gemm_config import GemmConfig  # noqa: E402
-from quack.gemm_dact import gemm_dact  # noqa: E402
-from quack.tile_scheduler import TileSchedulerOptions  # noqa: E402
+from quack.gemm_runtime.host import run_gemm_epi_plan  # noqa: E402
+from quack.gemm_tvm_ffi_utils import make_scheduler_args  # noqa: E402
+from quack.rounding import RoundingMode  # noqa: E402
 
-__all__ = ["LAUNCHES", "GemmConfig", "clusters_now", "gemm", "gemm_dgated", "gemm_gated"]
+from ..sm_reservation import budgeted_clusters  # noqa: E402
 
-# ----------------------------------------------------------------------------------------------------------
-# SM budget: QuACK's grid size less the reservation of the calling context
-# ----------------------------------------------------------------------------------------------------------
-
-_BUDGETED_MODULES = ("quack.gemm", "quack.gemm_act", "quack.gemm_dact")
-
-
-def _install_sm_budget() -> None:
-    """Route the three QuACK GEMM modules' cluster count through the reservation (idempotent)."""
-    full = cute_dsl_utils.get_max_active_clusters
-
-    def get_max_active_clusters(cluster_size: int, *args, **kwargs) -> int:
-        return budgeted_clusters(full(cluster_size, *args, **kwargs), cluster_size, take_reservation())
-
-    get_max_active_clusters.sonic_megatron_budget = True
-    for name in _BUDGETED_MODULES:
-        module = importlib.import_module(name)
-        current = getattr(module, "get_max_active_clusters", None)
-        if current is None:
-            raise ImportError(f"{name} has no get_max_active_clusters: this QuACK version is not supported")
-        if not getattr(current, "sonic_megatron_budget", False):
-            module.get_max_active_clusters = get_max_active_clusters
-
-
-_install_sm_budget()
-
-
-def clusters_now(cluster_size: int) -> int:
-    """The grid (clusters) of a persistent GEMM launched now: QuACK's count less the reservation, which this call
-    takes (counts the launch). For the cached launches, which bypass QuACK's Python path."""
-    return budgeted_clusters(cute_dsl_utils.get_max_active_clusters(cluster_size), cluster_size, take_reservation())
+__all__ = ["GemmConfig", "gemm", "gemm_dgated", "gemm_gated", "on_fewer_sms", "replay_plan"]
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Launch cache: QuACK's compile-cache functions and its per-call scheduler options
+# Launch plans of the default-epilogue GEMMs
 # ----------------------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _int32(n: int):
-    return Int32(n)
+def _layout(t) -> tuple | None:
+    """What QuACK's compile key reads of a tensor: dtype, rank and its major (whether the last dim is contiguous)."""
+    return None if t is None else (t.dtype, t.dim(), t.stride(-1) == 1)
 
 
-def _scheduler_now(recorded, ctx):
-    """QuACK's scheduler options of a cached launch, with this launch's grid size (SM reservation) and semaphore.
-    ``ctx`` = (CTAs per cluster, the dynamic tile scheduler's zeroed int32 counter or None)."""
-    cluster_size, semaphore = ctx
-    return TileSchedulerOptions(
-        _int32(clusters_now(cluster_size)),
-        recorded.raster_order,
-        recorded.max_swizzle_size,
-        None if semaphore is None else semaphore.data_ptr(),
-        recorded.batch_idx_permute,
+# signature -> what gemm_tuned.fn decided: (config, split_k, dynamic scheduler, QuACK's dispatch plan)
+_DECIDED: dict = {}
+# (id of a plan, SMs to leave free) -> that plan on fewer clusters
+_FEWER: dict = {}
+
+
+def replay_plan(decided: tuple, A, B, out, C, cu_seqlens_m, cu_seqlens_k, A_idx, concat_layout, plan) -> None:
+    """Launch ``plan`` (QuACK's dispatch plan of an earlier call with the same signature) on these tensors through
+    QuACK's warm-launch entry, the one its own interface plans replay through: the operand routing of
+    ``gemm_tuned.fn`` (transposes, concat layouts) and the launch, no plan build. Not in QuACK's documented
+    interface: tests/test_cute_gpu.py checks it against ``gemm_tuned.fn`` (bitwise, at other sizes, on fewer SMs)
+    and fails when QuACK changes it; tests/test_cute_wiring.py pins the arguments of the supported release."""
+    config, split_k, dynamic, _ = decided
+    qgemm._gemm_execute(
+        A,
+        B,
+        out,
+        C,
+        bias=None,
+        alpha=1.0,
+        beta=1.0,
+        cu_seqlens_m=cu_seqlens_m,
+        cu_seqlens_k=cu_seqlens_k,
+        A_idx=A_idx,
+        batch_idx_permute=None,
+        add_to_output=False,
+        dynamic_scheduler=dynamic,
+        config=config,
+        rounding_mode=RoundingMode.RN,
+        sr_seed=0,
+        concat_layout=concat_layout,
+        SFA=None,
+        SFB=None,
+        split_k=split_k,
+        split_k_mode=plan.split_k_mode,
+        dispatch_plan=plan,
     )
 
 
-# The heuristic tuning's launches go through this cache, which costs less host time per GEMM than QuACK's Python
-# path (docs/PERF.md, "Expert parallelism"); the first call of a signature takes QuACK's own path and is recorded.
-LAUNCHES = LaunchCache(
-    (
-        ("quack.gemm", "_compile_gemm"),
-        ("quack.gemm_act", "_compile_gemm_act"),
-        ("quack.gemm_dact", "_compile_gemm_dact"),
-    ),
-    per_call={TileSchedulerOptions: _scheduler_now},
-)
+def on_fewer_sms(plan, reserved: int):
+    """``plan`` launching at most as many clusters as leave ``reserved`` SMs free (the plan itself when 0): its
+    ``max_active_clusters`` and, where the scheduler arguments are prebuilt, those. Same bits: every tile is still
+    computed once, by one CTA."""
+    if reserved <= 0:
+        return plan
+    key = (id(plan), reserved)
+    fewer = _FEWER.get(key)
+    if fewer is None:
+        clusters = budgeted_clusters(plan.max_active_clusters, plan.cluster_M * plan.cluster_N, reserved)
+        static = plan.scheduler_static
+        if static is not None:
+            static = make_scheduler_args(clusters, plan.max_swizzle_size, None)
+        fewer = _FEWER[key] = plan._replace(max_active_clusters=clusters, scheduler_static=static)
+    return fewer
 
 
 # ----------------------------------------------------------------------------------------------------------
-# GEMMs with a given tile config (``semaphore``: the dynamic tile scheduler's zeroed counter, or None = static)
+# GEMMs with a given tile config (``dynamic``: QuACK's dynamic persistent tile scheduler, which allocates and
+# zeroes its own tile counter per launch)
 # ----------------------------------------------------------------------------------------------------------
 
 
-def gemm(config, semaphore, A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx, concat_layout, add_to_output) -> None:
+def gemm(config, dynamic, A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx, concat_layout, add_to_output, reserved=0):
     """out = A @ B, or out += A @ B with ``add_to_output``: ``out`` is also QuACK's C operand, whose tile the
     epilogue loads (TMA), adds to the accumulator and stores back. Each element is read and written once, by the
     one tile that owns it, so the sum is deterministic. Chosen over QuACK's TMA reduce-add store (``add_to_output``
     in QuACK), which made the fp32 main_grad accumulation of the weight GEMMs slower for bitwise equal results
-    (docs/PERF.md, "End to end")."""
+    (docs/PERF.md, "End to end"). ``reserved``: SMs to leave free (``on_fewer_sms``); a signature's first launch
+    takes QuACK's own path, on every SM."""
     C = out if add_to_output else None
     if add_to_output and concat_layout and "out" in concat_layout:
         concat_layout = (*concat_layout, "C")  # C is the same interleaved view as out
+    key = (config, dynamic, concat_layout, A.device, cu_seqlens_m is None, cu_seqlens_k is None, A_idx is None)
+    key += (_layout(A), _layout(B), _layout(out), _layout(C))
+    decided = _DECIDED.get(key)
+    if decided is not None:
+        plan = on_fewer_sms(decided[3], reserved)
+        replay_plan(decided, A, B, out, C, cu_seqlens_m, cu_seqlens_k, A_idx, concat_layout, plan)
+        return
+    decided = qgemm.gemm_tuned.fn(
+        A,
+        B,
+        out,
+        C=C,
+        cu_seqlens_m=cu_seqlens_m,
+        cu_seqlens_k=cu_seqlens_k,
+        A_idx=A_idx,
+        dynamic_scheduler=dynamic,
+        config=config,
+        concat_layout=concat_layout,
+    )
+    if isinstance(decided, tuple) and len(decided) == 4 and hasattr(decided[3], "max_active_clusters"):
+        _DECIDED[key] = decided
 
-    def quack_path():
-        qgemm.gemm_tuned.fn(
+
+# ----------------------------------------------------------------------------------------------------------
+# The gated and dgated GEMMs: QuACK's epilogue modules
+# ----------------------------------------------------------------------------------------------------------
+
+# signature -> QuACK's epilogue plan (``GemmEpiPlan``) of its first call
+_EPI_PLANS: dict = {}
+
+
+def _epilogue_gemm(mod, key, A, B_d, D, C, epi_args, config, dynamic, cu_seqlens_m, A_idx, b_kn, concat, reserved):
+    """One GEMM of epilogue module ``mod`` with the arguments QuACK's ``gemm_gated`` / ``gemm_dgated`` give it
+    (``B_d`` as they pass B, ``epi_args`` the outputs, operands and reduction partials by QuACK's names). The first
+    call of a signature (``key``) runs ``mod.gemm``, which launches and returns its plan (compiled for dtypes,
+    majors and flags; sizes at run time); later calls launch that plan (``run_gemm_epi_plan``), on fewer clusters
+    inside ``reserve_sms`` (``on_fewer_sms``)."""
+    dynamic = dynamic or config.is_dynamic_persistent
+    semaphore = torch.zeros(1, dtype=torch.int32, device=A.device) if dynamic else None  # the dynamic tile counter
+    plan = _EPI_PLANS.get(key)
+    if plan is not None:
+        run_gemm_epi_plan(
+            on_fewer_sms(plan, reserved),
             A,
-            B,
-            out,
-            C=C,
-            cu_seqlens_m=cu_seqlens_m,
-            cu_seqlens_k=cu_seqlens_k,
-            A_idx=A_idx,
-            dynamic_scheduler=semaphore is not None,
-            config=config,
-            concat_layout=concat_layout,
-        )
-
-    site = ("gemm", id(config), concat_layout, add_to_output)  # configs are memoized: id() is stable
-    inputs = (A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx)  # C is out: rebuilt from the same input
-    # gemm sizes its grid by cluster_m * cluster_n * cluster_k
-    ctx = (config.cluster_m * config.cluster_n * config.cluster_k, semaphore)
-    LAUNCHES.launch(site, inputs, quack_path, ctx=ctx)
-
-
-def gemm_gated(config, semaphore, A, B, preact_out, postact_out, activation, cu_seqlens_m, A_idx) -> None:
-    """preact_out = A @ B (gate/up interleaved), postact_out = activation of it; B read through concat_layout."""
-
-    def quack_path():
-        qgemm.gemm_gated_tuned.fn(
-            A,
-            B,
-            preact_out,
-            postact_out,
-            activation=activation,
+            B_d,
+            D,
+            C,
+            epi_args,
+            tile_count_semaphore=semaphore,
             cu_seqlens_m=cu_seqlens_m,
             A_idx=A_idx,
-            dynamic_scheduler=semaphore is not None,
-            config=config,
-            concat_layout=("B",),
         )
+        return
+    _EPI_PLANS[key] = mod.gemm(
+        A,
+        B_d,
+        D,
+        C,
+        epi_args=epi_args,
+        tile_M=config.tile_m,
+        tile_N=config.tile_n,
+        cluster_M=config.cluster_m,
+        cluster_N=config.cluster_n,
+        tile_K=config.tile_k,
+        pingpong=config.pingpong,
+        persistent=True,
+        is_dynamic_persistent=dynamic,
+        max_swizzle_size=config.max_swizzle_size,
+        tile_count_semaphore=semaphore,
+        cu_seqlens_m=cu_seqlens_m,
+        A_idx=A_idx,
+        b_kn=b_kn,
+        use_tma_gather=config.use_tma_gather,
+        concat_layout=concat,
+        swap_ab=config.swap_ab,
+    )
 
-    inputs = (A, B, preact_out, postact_out, cu_seqlens_m, A_idx)
-    ctx = (config.cluster_m * config.cluster_n, semaphore)  # gemm_act's grid: cluster_m * cluster_n
-    LAUNCHES.launch(("gated", id(config), activation), inputs, quack_path, ctx=ctx)
+
+def gemm_gated(config, dynamic, A, B, preact_out, postact_out, activation, cu_seqlens_m, A_idx, reserved=0) -> None:
+    """preact_out = A @ B (gate/up interleaved; None: not stored), postact_out = activation of it; B [E, K, 2F]
+    read through the concatenated layout. ``reserved``: SMs to leave free."""
+    mod = linear_act_mod(activation, gated=True, has_c=False, has_rowvec=False, has_colvec=False)
+    B_d = B.mT  # concat layouts take B (n, k), no (k, n) relabel: as QuACK's gemm_gated passes it
+    key = ("gated", config, dynamic, activation, A.device, cu_seqlens_m is None, A_idx is None)
+    key += (_layout(A), _layout(B_d), _layout(preact_out), _layout(postact_out))
+    epi_args = {"mAuxOut": postact_out}
+    args = (A, B_d, preact_out, None, epi_args, config, dynamic, cu_seqlens_m, A_idx, False, ("B",), reserved)
+    _epilogue_gemm(mod, key, *args)
 
 
 def gemm_dgated(
-    config, semaphore, A, B, preact, dx_out, postact_out, colvec_scale, partial, activation, cu_seqlens_m, A_idx
-) -> None:
-    """The dgated GEMM (``gemm_dact``) with its colvec reduction's per-(row, N tile) partials written into
-    ``partial`` (allocated by the caller, so that the launch reads only the caller's tensors: cacheable)."""
-
-    def quack_path():
-        gemm_dact(
-            A,
-            B.mT,
-            dx_out,
-            preact,
-            postact_out,
-            semaphore,
-            activation,
-            config.tile_m,
-            config.tile_n,
-            config.cluster_m,
-            config.cluster_n,
-            tile_K=config.tile_k,
-            pingpong=config.pingpong,
-            persistent=True,
-            is_dynamic_persistent=semaphore is not None,
-            max_swizzle_size=config.max_swizzle_size,
-            colvec_scale=colvec_scale,
-            colvec_reduce=partial,
-            cu_seqlens_m=cu_seqlens_m,
-            A_idx=A_idx,
-            use_tma_gather=config.use_tma_gather,
-        )
-
-    inputs = (A, B, dx_out, preact, postact_out, colvec_scale, partial, cu_seqlens_m, A_idx)
-    ctx = (config.cluster_m * config.cluster_n, semaphore)  # gemm_dact's grid: cluster_m * cluster_n
-    LAUNCHES.launch(("dgated", id(config), activation), inputs, quack_path, ctx=ctx)
+    config, dynamic, A, B, preact, dx_out, postact_out, colvec_scale, activation, cu_seqlens_m, A_idx, reserved=0
+):
+    """The dgated GEMM; returns its colvec reduction per row (fp32): sum over f of postact * unscaled dout, from
+    per-(row, N tile) partials (what QuACK's gemm_dgated allocates and sums). ``reserved``: SMs to leave free."""
+    mod = dgated_mod(activation, has_scale=True, has_reduce=True)
+    rows = A_idx.shape[0] if A_idx is not None else A.shape[0]
+    partials = torch.empty(rows, -(-B.shape[-1] // config.tile_n), dtype=torch.float32, device=A.device)
+    key = ("dgated", config, dynamic, activation, A.device, cu_seqlens_m is None, A_idx is None)
+    key += (_layout(A), _layout(B), _layout(preact), _layout(dx_out), _layout(postact_out), _layout(colvec_scale))
+    epi_args = {"mColVecBroadcast": colvec_scale, "mAuxOut": postact_out, "mColVecReduce": partials}
+    args = (A, B, dx_out, preact, epi_args, config, dynamic, cu_seqlens_m, A_idx, True, None, reserved)
+    _epilogue_gemm(mod, key, *args)
+    return partials.sum(dim=-1)
