@@ -21,20 +21,41 @@ import torch
 from .activations import GATED_ACTIVATIONS
 
 CUTE_CAPABILITY = (9, 0)  # Hopper (sm_90): QuACK's SM90 GEMMs
+# Blackwell datacenter GPUs (sm_100, sm_103): QuACK picks its SM100 GEMMs by the device, with the same arguments, and
+# the heuristic tuning gives way to QuACK's default configs there (cute/ops.py). Untested (no such GPU was
+# available): only an explicit backend='cute' runs there, with a warning; 'auto' keeps the torch backend.
+CUTE_UNTESTED_MAJORS = (10,)
 CUTE_DTYPES = (torch.bfloat16, torch.float16)
 CUTE_ALIGN = 8  # elements: QuACK's TMA/cp.async need 16-byte aligned rows (8 x 16-bit)
 CUTE_MAX_EXPERTS = 65535  # SonicMoE's metadata limit; one varlen batch per expert
 
 
-def cute_device_reason(device_capability: tuple[int, int] | None) -> str | None:
+def cute_device_reason(device_capability: tuple[int, int] | None, explicit: bool = False) -> str | None:
     """Why the ``cute`` backend cannot run on a device of compute capability ``device_capability`` (None: no CUDA
-    device); None when it can."""
+    device); None when it can. ``explicit``: the user asked for ``cute`` by name, which also admits the untested
+    Blackwell GPUs (``CUTE_UNTESTED_MAJORS``; ``untested_device_note`` says so)."""
     if device_capability is None:
         return "no CUDA GPU is visible, and the cute backend needs a Hopper GPU (sm_90)"
     major, minor = device_capability
-    if (major, minor) != CUTE_CAPABILITY:
-        return f"the GPU is sm_{major}{minor}, and the cute backend supports Hopper (sm_90) only"
-    return None
+    if (major, minor) == CUTE_CAPABILITY or (explicit and major in CUTE_UNTESTED_MAJORS):
+        return None
+    if major in CUTE_UNTESTED_MAJORS:
+        return (
+            f"the GPU is sm_{major}{minor}, where the cute backend is untested (QuACK's Blackwell GEMMs); "
+            "backend='cute' (SonicConfig.backend='cute') runs it there"
+        )
+    return f"the GPU is sm_{major}{minor}, and the cute backend supports Hopper (sm_90) only (sm_100: untested)"
+
+
+def untested_device_note(device_capability: tuple[int, int] | None) -> str | None:
+    """The warning for an explicit ``cute`` on an untested GPU (None elsewhere)."""
+    if device_capability is None or device_capability[0] not in CUTE_UNTESTED_MAJORS:
+        return None
+    major, minor = device_capability
+    return (
+        f"the cute backend runs on sm_{major}{minor} untested: QuACK's Blackwell GEMMs with QuACK's default tile "
+        "configs and the project's Triton kernels, never checked on such a GPU"
+    )
 
 
 def cute_config_reason(
@@ -78,10 +99,13 @@ def cute_unsupported_reason(
     ffn: int,
     device_capability: tuple[int, int] | None,
     num_experts: int | None = None,
+    explicit: bool = False,
 ) -> str | None:
     """Why the ``cute`` backend cannot run these experts on that device (the device first, then the config),
-    None when it can. Pure: reads no device, imports nothing (see ``cute_import_reason``)."""
-    return cute_device_reason(device_capability) or cute_config_reason(activation, dtype, hidden, ffn, num_experts)
+    None when it can. Pure: reads no device, imports nothing (see ``cute_import_reason``). ``explicit``: as
+    ``cute_device_reason``."""
+    device = cute_device_reason(device_capability, explicit)
+    return device or cute_config_reason(activation, dtype, hidden, ffn, num_experts)
 
 
 def current_device_capability() -> tuple[int, int] | None:

@@ -19,7 +19,7 @@ import torch
 
 from . import torch_backend
 from .activations import ACTIVATIONS, is_gated
-from .backends import cute_config_reason, cute_device_reason, cute_import_reason, warn_once
+from .backends import cute_config_reason, cute_device_reason, cute_import_reason, untested_device_note, warn_once
 from .options import kernel_options
 from .routing import (
     INDEX_DTYPES,
@@ -47,12 +47,13 @@ WeightGradHook = Callable[[WeightGradWork], tuple[torch.Tensor | None, ...]]
 # ----------------------------------------------------------------------------------------------------------
 
 
-def cute_unavailable_reason(device: torch.device) -> str | None:
+def cute_unavailable_reason(device: torch.device, explicit: bool = False) -> str | None:
     """Why the ``cute`` backend cannot run on ``device`` (None when it can): the device rule of
-    ``backends.cute_device_reason``, then whether the backend imports."""
+    ``backends.cute_device_reason`` (``explicit``: asked for by name), then whether the backend imports."""
     if device.type != "cuda":
         return f"the input is on {device.type}, and the cute backend needs a CUDA GPU"
-    return cute_device_reason(tuple(torch.cuda.get_device_capability(device))) or cute_import_reason()
+    capability = tuple(torch.cuda.get_device_capability(device))
+    return cute_device_reason(capability, explicit) or cute_import_reason()
 
 
 def resolve_backend(backend: str, device: torch.device, config_reason: str | None = None) -> ModuleType:
@@ -72,9 +73,12 @@ def resolve_backend(backend: str, device: torch.device, config_reason: str | Non
             backend = "torch"
     if backend == "torch":
         return torch_backend
-    reason = cute_unavailable_reason(device)
+    reason = cute_unavailable_reason(device, explicit=True)
     if reason is not None:
         raise RuntimeError(f"backend='cute' cannot run: {reason}")
+    note = untested_device_note(tuple(torch.cuda.get_device_capability(device)))
+    if note is not None:
+        warn_once(f"sonic_megatron.kernels: {note}")
     from .cute import ops as cute_ops
 
     return cute_ops

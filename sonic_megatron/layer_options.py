@@ -68,24 +68,30 @@ def layer_backend(choice: str, config, activation: str) -> str:
 
     ``choice`` (``SonicConfig.backend``): ``torch`` is kept; ``auto`` gives ``cute`` where it runs this layer, else
     ``torch`` with one warning naming the reason (once per reason, not per layer); ``cute`` where it cannot run
-    this layer raises ValueError naming the option, its allowed values and the reason."""
+    this layer raises ValueError naming the option, its allowed values and the reason (on an untested Blackwell GPU it
+    runs, with one warning saying so)."""
     if choice == "torch":
         return "torch"
     ffn = expert_ffn_per_rank(config)
     num_experts = getattr(config, "num_moe_experts", None)
     ep = getattr(config, "expert_model_parallel_size", 1) or 1
+    capability = backends.current_device_capability()
     reason = (
         backends.cute_unsupported_reason(
             activation,
             config.params_dtype,
             config.hidden_size,
             ffn,
-            backends.current_device_capability(),
+            capability,
             num_experts=num_experts // ep if num_experts else None,
+            explicit=choice == "cute",
         )
         or backends.cute_import_reason()
     )
     if reason is None:
+        note = backends.untested_device_note(capability)
+        if note is not None:
+            backends.warn_once(f"sonic_megatron: SonicConfig.backend='cute': {note}")
         return "cute"
     if choice == "cute":
         raise ValueError(

@@ -22,6 +22,7 @@ from sonic_megatron.testing import moe_config
 cute = test_cute_wiring.cute  # kernels.cute.ops over a fake QuACK (the call-time check on CPU)
 
 HOPPER = (9, 0)
+BLACKWELL = (10, 0)
 SUPPORTED = dict(params_dtype=torch.bfloat16, hidden_size=32, moe_ffn_hidden_size=48)  # swiglu (moe_config's)
 
 
@@ -65,6 +66,7 @@ def _resolve(sonic=None, check_megatron=True, layers=1, **overrides):
         (("swiglu", torch.bfloat16, 4096, 36, HOPPER), ["expert ffn size F", "is 36, not a multiple of 8"]),
         (("swiglu", torch.bfloat16, 4096, 1536, (8, 0)), ["sm_80", "Hopper (sm_90) only"]),
         (("swiglu", torch.bfloat16, 4096, 1536, None), ["no CUDA GPU"]),
+        (("swiglu", torch.bfloat16, 4096, 1536, BLACKWELL), ["sm_100", "untested", "backend='cute'"]),
     ],
 )
 def test_the_rule_names_the_reason(args, words):
@@ -73,6 +75,16 @@ def test_the_rule_names_the_reason(args, words):
         assert reason is None
     else:
         assert all(w in reason for w in words), reason
+
+
+def test_blackwell_runs_cute_only_when_asked_for_by_name():
+    """sm_100 (untested): the rule refuses it for 'auto' and admits it for an explicit 'cute', with its config rule;
+    other GPUs stay refused either way."""
+    assert backends.cute_unsupported_reason("swiglu", torch.bfloat16, 4096, 1536, BLACKWELL, explicit=True) is None
+    assert "is 36" in backends.cute_unsupported_reason("swiglu", torch.bfloat16, 4096, 36, BLACKWELL, explicit=True)
+    assert "sm_80" in backends.cute_unsupported_reason("swiglu", torch.bfloat16, 4096, 1536, (8, 0), explicit=True)
+    assert "untested" in backends.untested_device_note(BLACKWELL)
+    assert backends.untested_device_note(HOPPER) is None and backends.untested_device_note(None) is None
 
 
 def test_the_device_is_checked_first_and_the_expert_count_when_given():
@@ -135,6 +147,16 @@ def test_auto_uses_torch_with_one_warning_naming_the_reason(device, capability, 
     assert backend == "torch"
     assert len(warned) == 1 and "SonicConfig.backend='auto' uses the torch backend" in warned[0], warned
     assert reason in warned[0]
+
+
+@pytest.mark.parametrize("check_megatron", [True, False])
+def test_a_layer_on_blackwell_takes_cute_only_when_asked_for_saying_it_is_untested(device, check_megatron):
+    device(BLACKWELL)
+    backend, warned = _resolve(check_megatron=check_megatron)
+    assert backend == "torch" and len(warned) == 1 and "sm_100, where the cute backend is untested" in warned[0]
+    backend, warned = _resolve(SonicConfig(backend="cute"), check_megatron=check_megatron, layers=3)
+    assert backend == "cute" and len(warned) == 1 and "SonicConfig.backend='cute'" in warned[0]
+    assert "runs on sm_100 untested" in warned[0]
 
 
 def test_auto_without_the_hopper_extra_uses_torch(device, monkeypatch):

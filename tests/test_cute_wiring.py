@@ -328,3 +328,20 @@ def test_an_epilogue_library_that_does_not_import_makes_the_backend_unavailable_
     monkeypatch.delattr(sys.modules["sonic_megatron.kernels"], "cute", raising=False)
     reason = backends.cute_import_reason()
     assert reason is not None and "QuACK's epilogue library does not import" in reason and "site-packages" in reason
+
+
+def test_an_explicit_cute_on_blackwell_runs_untested_and_auto_keeps_torch(cute, monkeypatch):
+    """sm_100: moe_experts' backend='cute' takes the cute ops with one warning that they are untested there (QuACK's
+    own configs, ``_tuning``); 'auto' takes torch, naming why."""
+    from sonic_megatron.kernels import interface
+
+    ops, _ = cute
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        assert interface.resolve_backend("cute", torch.device("cuda")) is ops
+        assert interface.resolve_backend("auto", torch.device("cuda")) is interface.torch_backend
+    messages = [str(w.message) for w in warned]
+    assert len(messages) == 2 and "runs on sm_100 untested" in messages[0], messages
+    assert "backend='auto' uses the torch backend because the GPU is sm_100" in messages[1]
+    assert ops._tuning(torch.device("cuda")) == "default"

@@ -27,7 +27,8 @@ the config to QuACK.
 Blackwell (sm_100): QuACK 0.6's interface functions pick their SM100 kernels by the device's compute capability
 and take the same arguments, so the calls are the same; the heuristic tiles were measured on Hopper only, so on
 any other GPU the heuristic tuning takes QuACK's per-architecture default config (``_tuning``). Untested: no
-Blackwell GPU was available, so the backend's device rule (``backends.cute_device_reason``) still admits Hopper only.
+Blackwell GPU was available, so only an explicit ``backend='cute'`` runs there, with a warning
+(``backends.cute_device_reason``).
 """
 
 from __future__ import annotations
