@@ -1,7 +1,8 @@
 """How many SMs the GEMMs launched now leave free for a concurrent collective: ``reserve_sms(n, gemms=None)``.
 
-A context variable (per thread / task), read by the Hopper backend's GEMM launches (``cute/quack_adapter.py`` routes
-QuACK's grid size through ``take_reservation``); the torch backend's kernels are not persistent and ignore it.
+A context variable (per thread / task), read by the Hopper backend's GEMM launches (``cute/ops.py`` takes it,
+``cute/quack_adapter.py`` launches QuACK's plans on fewer clusters); the torch backend's kernels are not persistent
+and ignore it.
 Results never depend on it: only how many CTAs share a GEMM's tiles changes.
 
 ``reserve_sms(n, gemms=k)`` reserves only in the first k GEMMs launched inside: for a phase whose collective is

@@ -15,8 +15,8 @@ node at a time (``stepwise.py``).
 Async collectives need no private streams: NCCL orders each one after the current stream's queued work and
 ``wait()`` orders the current stream after it, so the schedule is race-free under repetition.
 GEMMs that run while a collective is in flight leave ``comm_sms`` SMs free (``ops.reserve_sms``): QuACK's
-persistent GEMMs otherwise hold every SM until they end and the collective cannot start. With QuACK 0.6 the cute
-backend cannot apply it (``kernels/cute/quack_adapter.py``: no public grid size) and warns once.
+persistent GEMMs otherwise hold every SM until they end and the collective cannot start (the cute backend launches
+QuACK's plans on fewer clusters, ``kernels/cute/quack_adapter.py``).
 """
 
 from __future__ import annotations
