@@ -107,18 +107,15 @@ def _tuning(device) -> str:
     return tuning
 
 
-def _take_reservation(honoured: bool) -> int:
-    """The SMs the GEMM launched now leaves free (``reserve_sms(n, gemms=k)``; the launch counts against k).
-    ``honoured``: the launch can run on fewer SMs (the heuristic tuning's launches, ``quack_adapter.on_fewer_sms``);
-    under the autotune and default tunings QuACK's own functions launch, on every SM, which the first such launch
-    inside a reservation says once."""
-    reserved = take_reservation()
-    if reserved > 0 and not honoured:
+def _reservation_not_honoured() -> None:
+    """Counts a launch of QuACK's own functions (the autotune and default tunings) against ``reserve_sms(n,
+    gemms=k)``: they launch on every SM, which the first such launch inside a reservation says once. The heuristic
+    tuning's launches leave the SMs free (``_heuristic_launch``, ``quack_adapter.on_fewer_sms``)."""
+    if take_reservation() > 0:
         warn_once(
             "reserve_sms / comm_sms > 0: under the autotune and default tunings the cute backend's GEMMs run on "
             "every SM (QuACK's own functions launch them); the heuristic tuning leaves the SMs free"
         )
-    return reserved
 
 
 def _heuristic_launch(gemm: str, F: int, D: int, tiles: tuple, main_grad: str | None = None, rows_multiple: int = 0):
@@ -126,7 +123,7 @@ def _heuristic_launch(gemm: str, F: int, D: int, tiles: tuple, main_grad: str | 
     launch uses the dynamic tile scheduler (``_dynamic``). ``main_grad``: "add" / "store" for a weight GEMM
     writing into a caller's accumulator; ``rows_multiple``: ``RoutingMetadata.rows_multiple``."""
     dynamic = _dynamic()
-    reserved = _take_reservation(honoured=True)
+    reserved = take_reservation()  # the SMs it leaves free; the launch counts against gemms=k
     return heuristic_config(gemm, F, D, tiles, dynamic, main_grad, rows_multiple), dynamic, reserved
 
 
@@ -155,7 +152,7 @@ def _gemm(
         args = (A, B, out, cu_seqlens_m, cu_seqlens_k, A_idx, concat_layout, add_to_output)
         quack_adapter.gemm(config, dynamic, *args, reserved=reserved)
     else:
-        _take_reservation(honoured=False)
+        _reservation_not_honoured()
         (qgemm.gemm_add_inplace if add_to_output else qgemm.gemm)(
             A,
             B,
@@ -176,7 +173,7 @@ def _gemm_gated(F: int, A, B, preact_out, postact_out, activation, cu_seqlens_m,
         args = (A, B, preact_out, postact_out, activation, cu_seqlens_m, A_idx)
         quack_adapter.gemm_gated(config, dynamic, *args, reserved=reserved)
     else:
-        _take_reservation(honoured=False)
+        _reservation_not_honoured()
         qgemm.gemm_gated(
             A,
             B,
@@ -199,7 +196,7 @@ def _gemm_dgated(F: int, A, B, preact, dx_out, postact_out, colvec_scale, activa
         config, dynamic, reserved = _heuristic_launch("dh", F, A.shape[1], kernel_options().tiles)
         args = (A, B, preact, dx_out, postact_out, colvec_scale, activation, cu_seqlens_m, A_idx)
         return quack_adapter.gemm_dgated(config, dynamic, *args, reserved=reserved)
-    _take_reservation(honoured=False)
+    _reservation_not_honoured()
     return qgemm.gemm_dgated(
         A,
         B,
