@@ -22,12 +22,19 @@ same cycle (``fwdbwd_ms_interleaved``: the provider's median call).
 what the autograd graph retains. ``bound_MiB``: the target 2Td + 4TKn + metadata (20TK + 2TE bytes) + 5 %.
 ``first_s``: the first fwd+bwd call in this process for the config (compilation, autotuning, caches).
 ``rel_err``: relative L2 error of the output vs ``grouped_mm``.
+
+``--against FILE`` compares with sonic-moe measured by this command in another environment: sonic-moe 0.1.2 pins
+an older CuTe-DSL than the ``cute`` backend needs, so the two cannot share a process. For every config this run has
+no sonic row of its own, ``vs_sonic`` is the other runs' median sonic-moe fwd+bwd time over this provider's, and
+``vs_sonic_anchored`` the same with each side's time divided by its own run's ``bmm`` time (the same PyTorch
+GEMMs in both processes: what the GPU's clock did between the runs cancels).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import time
 
@@ -73,6 +80,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="also time N cycles of alternating single fwd+bwd calls, one per provider per cycle (same clock and "
         "power conditions for all; reported as fwdbwd_ms_interleaved and vs_sonic_paired); default 0 = off",
+    )
+    parser.add_argument(
+        "--against",
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="the --json of this command run with sonic-moe in another environment (repeatable): adds vs_sonic and "
+        "vs_sonic_anchored (each side over its own run's bmm time) for the configs both ran",
     )
 
 
@@ -269,7 +284,46 @@ def _interleaved_calls(fns: dict, cycles: int) -> dict[str, list[float]]:
     return {name: [a.elapsed_time(b) for a, b in ev] for name, ev in events.items()}
 
 
+def load_against(paths: list[str] | None) -> list[dict]:
+    """The rows of other ``bench experts --json`` runs (``--against``); an unreadable file stops before any GPU
+    work, naming the argument."""
+    rows = []
+    for path in paths or ():
+        try:
+            with open(path) as f:
+                payload = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SystemExit(f"--against {path}: not a readable bench experts JSON ({exc})") from exc
+        if payload.get("benchmark") != "experts" or not isinstance(payload.get("rows"), list):
+            raise SystemExit(f"--against {path}: expected the --json of 'bench experts', got another file")
+        rows.extend(payload["rows"])
+    return rows
+
+
+def compare_against(rows: list[dict], other_rows: list[dict]) -> None:
+    """Adds ``vs_sonic`` / ``vs_sonic_anchored`` / ``sonic_runs`` to ``rows`` (one config's rows of this run) from
+    the sonic-moe rows of other runs (``--against``), unless this run measured sonic-moe itself."""
+    if not rows or any(r["provider"] == "sonic" and "fwdbwd_ms" in r for r in rows):
+        return
+    config = rows[0]["config"]
+    timed = [r for r in other_rows if r.get("config") == config and "fwdbwd_ms" in r]
+    sonic = [r["fwdbwd_ms"] for r in timed if r["provider"] == "sonic"]
+    if not sonic:
+        return
+    other_bmm = [r["fwdbwd_ms"] for r in timed if r["provider"] == "bmm"]
+    anchors = [r["fwdbwd_ms"] for r in rows if r["provider"] == "bmm" and "fwdbwd_ms" in r]
+    sonic_ms = statistics.median(sonic)
+    for r in rows:
+        if "fwdbwd_ms" not in r or r["provider"] in ("sonic", "bmm"):
+            continue
+        r["vs_sonic"] = sonic_ms / r["fwdbwd_ms"]
+        r["sonic_runs"] = len(sonic)
+        if other_bmm and anchors:
+            r["vs_sonic_anchored"] = (sonic_ms / statistics.median(other_bmm)) / (r["fwdbwd_ms"] / anchors[0])
+
+
 def run(args: argparse.Namespace) -> int:
+    against = load_against(args.against)
     if not torch.cuda.is_available():
         print("bench experts needs a CUDA GPU")
         return 2
@@ -313,6 +367,7 @@ def run(args: argparse.Namespace) -> int:
                 if "fwdbwd_interleaved" in r:  # same cycle = the same clock and power conditions
                     pairs = zip(sonic["fwdbwd_interleaved"], r["fwdbwd_interleaved"], strict=True)
                     r["vs_sonic_paired"] = statistics.median(a / b for a, b in pairs)
+        compare_against(cfg_rows, against)
         rows.extend(cfg_rows)
         del providers, ref_out
         torch.cuda.empty_cache()
@@ -324,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 COLUMNS = ["config", "provider", "fwd_ms", "fwd_TF", "bwd_TF", "fwdbwd_ms", "fwdbwd_TF", "vs_sonic"]
-COLUMNS += ["fwdbwd_ms_interleaved", "vs_sonic_paired", "act_MiB", "bound_MiB", "first_s", "rel_err", "error"]
+COLUMNS += ["vs_sonic_anchored", "fwdbwd_ms_interleaved", "vs_sonic_paired", "act_MiB", "bound_MiB", "first_s", "rel_err", "error"]
 
 
 def _payload(rows: list[dict]) -> dict:
