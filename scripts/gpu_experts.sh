@@ -3,7 +3,9 @@
 # process), GPU tests, Triton kernels compiled, and `bench experts`. Logs and JSON go to $OUT; the QuACK/Triton
 # compile caches are packed into $OUT/cutecache.tgz (when small); put it in $CACHE/ to start the next pass warm.
 #
-#   bash scripts/gpu_experts.sh --providers ours,sonic --rounds 3 --interleaved 100
+#   bash scripts/gpu_experts.sh --providers ours,bmm --rounds 3 --against sonic.json
+# (sonic-moe 0.1.2 pins an older CuTe-DSL than the cute backend needs: run `bench experts --providers sonic,bmm
+#  --json sonic.json` in an environment of its own first; its first call autotunes for minutes per config.)
 # Env: OUT (default ./out), CACHE (default ./.cutecache; restored from it when carried), TOTAL_S (whole-script
 #      budget, default 560), TEST_BUDGET_S (default 200), SKIP_TESTS=1, SKIP_COMPILE=1, PYTEST_ARGS (extra
 #      pytest arguments). Every phase is cut at its budget so the later ones still run; the benchmark gets

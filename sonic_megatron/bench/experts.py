@@ -5,7 +5,8 @@ top-K logits, SwiGLU experts, the weighted sum; the router's time is included, i
     ours        bf16 router matmul + our fused top-K/softmax Triton kernel (``kernels.triton.topk_softmax``:
                 one launch forward, one backward) + ``moe_experts(..., backend="cute")`` (QuACK GEMMs,
                 our Triton kernels)
-    sonic       sonic-moe 0.1.2 ``moe_TC_softmax_topk_layer`` (its own router/top-K kernels), when importable
+    sonic       sonic-moe 0.1.2 ``moe_TC_softmax_topk_layer`` (its own router/top-K kernels), when importable (an
+                environment of its own, older CuTe-DSL: compare with ``--against``, below)
     grouped_mm  torch router + sort + ``torch._grouped_mm`` up/down projections + ``index_add`` (eager PyTorch)
     bmm         the cuBLAS bound: two perfectly balanced ``torch.bmm`` (E, TK/E rows each) + SwiGLU, no routing
 
