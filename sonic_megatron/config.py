@@ -305,6 +305,37 @@ def _check_router_topk(topk, num_experts: int) -> None:
         )
 
 
+def _check_cuda_graphs(impl: str, modules, ep: int, field: str) -> None:
+    """Refuse Megatron CUDA graphs that would capture the plugin's MoE layer where it cannot be captured:
+    Megatron's partial MoE scopes (``moe``, ``moe_router``, ``moe_preprocess``) wrap MoELayer's own route and
+    preprocess, which the plugin replaces; and at expert-parallel size > 1 any graph around the layer, because
+    its plan reads the split sizes on the host once per call. Megatron captures the whole layer with
+    ``full_iteration``, with an empty module list (``full`` in megatron-core 0.16), and with ``local`` for
+    ``attn`` (megatron-core's local implementation graphs the whole TransformerLayer when it graphs the
+    attention). ``field``: the config field holding the modules (``cuda_graph_modules``, 0.16's
+    ``cuda_graph_scope``)."""
+    if impl == "none":
+        return
+    modules = [modules] if isinstance(modules, str) else list(modules or [])
+    names = [getattr(m, "name", str(m)) for m in modules]
+    flag = "--" + field.replace("_", "-")
+    if any("moe" in n for n in names):
+        _reject(field, names, "capturing the plugin's MoE layer in a CUDA graph is not supported yet")
+    whole_layer = (
+        impl == "full_iteration"
+        or not names
+        or {"full", "full_iteration"} & set(names)  # megatron-core 0.16's spellings of the whole layer / iteration
+        or (impl == "local" and "attn" in names)
+    )
+    if ep > 1 and whole_layer:
+        raise ValueError(
+            f"sonic_megatron: cuda_graph_impl={impl!r} (--cuda-graph-impl) with {field}={names} ({flag}) captures "
+            f"the whole MoE layer in a CUDA graph, and at expert_model_parallel_size={ep} the layer reads its "
+            "all-to-all split sizes on the host once per call, which a graph cannot capture; pass --cuda-graph-impl "
+            f"transformer_engine {flag} attn (the attention only), or no CUDA graphs"
+        )
+
+
 def validate_megatron_config(config, sonic: SonicConfig) -> str:
     """Check that Megatron's config is a combination the plugin computes exactly; return the kernels
     activation name. Every failure names the Megatron option.
@@ -364,10 +395,8 @@ def validate_megatron_config(config, sonic: SonicConfig) -> str:
         _reject("activation_func_clamp_value", g("activation_func_clamp_value"), "not in the Sonic kernels")
     if g("overlap_dispatch_backward_with_experts_wgrad"):
         _reject("overlap_dispatch_backward_with_experts_wgrad", True, "needs Transformer Engine experts")
-    scope = g("cuda_graph_scope") or g("cuda_graph_modules") or []
-    scope = [scope] if isinstance(scope, str) else list(scope)
-    if g("cuda_graph_impl", "none") != "none" and any("moe" in str(s) for s in scope):
-        _reject("cuda_graph_scope", scope, "capturing the plugin's MoE layer in a CUDA graph is not supported yet")
+    field = "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope"
+    _check_cuda_graphs(g("cuda_graph_impl", "none") or "none", g("cuda_graph_scope") or g(field), ep, field)
     dispatcher_type = g("moe_token_dispatcher_type")
     if sonic.dispatcher == "sonic" and dispatcher_type != "alltoall":
         _reject(

@@ -138,6 +138,42 @@ def test_unsupported_megatron_options_fail_naming_the_option(overrides, option):
         validate_megatron_config(_cfg(**overrides), SonicConfig())
 
 
+@pytest.mark.parametrize(
+    "impl, modules",
+    [
+        ("local", ["attn"]),
+        ("local", []),
+        ("transformer_engine", []),
+        ("transformer_engine", "full"),
+        ("full_iteration", []),
+    ],
+)
+def test_cuda_graphs_around_an_expert_parallel_layer_fail_naming_the_options(impl, modules):
+    """At EP > 1 the plan's host sync cannot be captured: every CUDA graph that Megatron puts around the whole layer
+    is refused up front (megatron-core's local implementation graphs the whole layer for ``attn`` too)."""
+    cfg = _cfg(cuda_graph_impl=impl, cuda_graph_modules=modules, expert_model_parallel_size=4)
+    with pytest.raises(ValueError, match=r"cuda_graph_impl=.*cuda_graph_modules=.*expert_model_parallel_size=4"):
+        validate_megatron_config(cfg, SonicConfig())
+
+
+def test_cuda_graphs_that_leave_the_moe_layer_eager_or_run_at_ep1_pass():
+    from megatron.core.transformer.enums import CudaGraphScope
+
+    for impl, modules, ep in [
+        ("transformer_engine", ["attn"], 4),
+        ("transformer_engine", [CudaGraphScope.attn], 4),  # megatron-core's enum values
+        ("local", ["attn"], 1),  # whole layer at EP 1: no host sync (tests/test_cuda_graph_gpu.py)
+        ("local", [], 1),
+        ("none", [], 4),
+    ]:
+        cfg = _cfg(cuda_graph_impl=impl, cuda_graph_modules=modules, expert_model_parallel_size=ep)
+        assert validate_megatron_config(cfg, SonicConfig()) == "swiglu"
+    with pytest.raises(ValueError, match="cuda_graph_modules"):  # Megatron's partial MoE scopes, at any EP
+        validate_megatron_config(
+            _cfg(cuda_graph_impl="local", cuda_graph_modules=[CudaGraphScope.moe_router]), SonicConfig()
+        )
+
+
 def test_supported_activations():
     from megatron.core.activations import squared_relu
 
