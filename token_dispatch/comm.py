@@ -91,9 +91,17 @@ def all_gather(t: torch.Tensor, group) -> torch.Tensor:
     P = group_size(group)
     if P == 1:
         return t.unsqueeze(0)
-    out = t.new_empty(P * t.numel())
-    _all_gather_flat(out, t.contiguous().reshape(-1), group=group)
-    return out.view(P, *t.shape)
+    out = t.new_empty(P, *t.shape)
+    all_gather_into(out, t, group)
+    return out
+
+
+def all_gather_into(out: torch.Tensor, t: torch.Tensor, group) -> None:
+    """Every rank's ``t`` into the preallocated contiguous ``out`` [P, *t.shape]; the current stream waits for it."""
+    if group_size(group) == 1:
+        out[0].copy_(t)
+        return
+    _all_gather_flat(out.view(-1), t.contiguous().reshape(-1), group=group)
 
 
 def all_gather_strings(msg: str, group) -> list[str]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from . import validation as V
-from .comm import all_gather
+from .comm import all_gather, all_gather_into, group_size
 from .send_side import SendSide
 
 
@@ -61,15 +61,35 @@ class SizesInFlight:
 
 
 def launch_exchange(exchange: torch.Tensor, group) -> SizesInFlight:
-    """Launch the all-gather of every rank's header + counts [H + W] and its copy to the host; no host wait."""
-    gathered = all_gather(exchange, group)
-    if not gathered.is_cuda:
+    """Launch the all-gather of every rank's header + counts [H + W] and its copy to the host; no host wait.
+
+    On CUDA both run on a stream of their own (``_exchange_stream``) that first waits for the current stream (which
+    wrote ``exchange``): the all-gather waits for the slowest peer, and the current stream does not wait with it.
+    Work queued on it after this call (Megatron's 1F1B overlap queues the other micro-batch's MLP backward between
+    ``dispatch_preprocess`` and ``token_dispatch``) runs meanwhile. Readers of ``device`` come after the host has
+    waited for ``ready`` (``receive_header_and_counts``), so they need no stream order of their own."""
+    if not exchange.is_cuda:
+        gathered = all_gather(exchange, group)
         return SizesInFlight(gathered, gathered, None)
+    side = _exchange_stream(exchange.device)
+    side.wait_stream(torch.cuda.current_stream(exchange.device))
+    gathered = exchange.new_empty(group_size(group), *exchange.shape)  # on the current stream's memory
     host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
-    host.copy_(gathered, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
+    with torch.cuda.stream(side):
+        all_gather_into(gathered, exchange, group)
+        host.copy_(gathered, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(side)
+    # both were allocated on the current stream and are used on the side stream: not reused before it is done
+    exchange.record_stream(side)
+    gathered.record_stream(side)
     return SizesInFlight(gathered, host, ready)
+
+
+@functools.cache
+def _exchange_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream the plan's sizes exchange runs on, one per device."""
+    return torch.cuda.Stream(device=device)
 
 
 def exchange_buffer(header: list[int], world_size: int, device: torch.device) -> torch.Tensor:
