@@ -13,7 +13,9 @@ The unit of the pipeline is a stage (``EPPlan.num_stages``): a token chunk. One 
 and the backward (``layer.py``); Megatron's method split takes the dispatch, experts and weight-gradient pieces one
 node at a time (``stepwise.py``).
 Async collectives need no private streams: NCCL orders each one after the current stream's queued work and
-``wait()`` orders the current stream after it, so the schedule is race-free under repetition.
+``wait()`` orders the current stream after it, so the schedule is race-free under repetition. The one exception is
+the plan's sizes exchange, whose stream lets the current stream go on while it waits for the slowest peer
+(``sizes.launch_exchange``).
 GEMMs that run while a collective is in flight leave ``comm_sms`` SMs free (``ops.reserve_sms``): QuACK's
 persistent GEMMs otherwise hold every SM until they end and the collective cannot start (the cute backend launches
 QuACK's plans on fewer clusters, ``kernels/cute/quack_adapter.py``).
