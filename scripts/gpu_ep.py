@@ -21,8 +21,8 @@ nothing), a rank without tokens, and flat routing:
   * EP output and every gradient (x, router logits, w1, w2) vs the float64 reference on the concatenated
     tokens: RMS and max error at most 2x PyTorch's bf16 error (+ eps/4, eps of the largest value);
   * EP == the single-process kernels (same backend) on the concatenation, reported (max relative diff);
-  * num_chunks=2 + redispatch + deferred wgrad, and comm_sms (+ chunks 2, deferred wgrad) within the same
-    criterion; repeated runs bitwise equal;
+  * num_chunks=2 + redispatch + deferred wgrad, comm_sms (+ chunks 2, deferred wgrad), and the step-wise path
+    with the token rows in slots (token_dispatch/slots.py) within the same criterion; repeated runs bitwise equal;
   * token rounding (nearest, tile 128): every local expert's received count a multiple of 128, and the
     decision (pairs and scores) bitwise equal to single-process rounding of the concatenation.
 """
@@ -169,9 +169,15 @@ def check(out: str) -> int:
     from sonic_megatron.token_dispatch import (
         DeferredWeightGrad,
         TokenRounding,
+        combine,
+        dispatch,
         expert_parallel_experts,
+        finish_plan,
+        local_experts,
         round_routing,
+        start_plan,
     )
+    from sonic_megatron.token_dispatch.slots import launch_slot_rows
 
     local = int(os.environ["LOCAL_RANK"])
     on_cpu = os.environ.get("EP_CHECK_CPU") == "1"  # plumbing test of this script on a CPU machine (gloo)
@@ -235,18 +241,29 @@ def check(out: str) -> int:
         wgrad = DeferredWeightGrad() if opts.pop("deferred", False) else None
         if opts.pop("rounding", False):
             opts.update(rounding=TokenRounding("nearest", tile), rounding_scores_TE=probs)
-        o, plan = expert_parallel_experts(
-            x,
-            routing,
-            w1,
-            w2,
-            group=dist.group.WORLD,
-            num_experts=E,
-            backend=backend,
-            wgrad=wgrad,
-            return_plan=True,
-            **opts,
-        )
+        if opts.pop("slots", False):  # the step-wise path with the token rows in slots, launched before the sync
+            C = max(c["T_r"]) + 3
+            started = start_plan(
+                routing, num_experts=E, group=dist.group.WORLD, x_TD=x, w1_EGD=w1, w2_EDF=w2, row_slots=C
+            )
+            rows = launch_slot_rows(started, x)
+            plan = finish_plan(started)
+            assert plan.row_slots == C, (plan.row_slots, C)
+            xr, sr = dispatch(x, plan, rows)
+            o = combine(local_experts(xr, sr, w1, w2, plan, backend=backend, wgrad=wgrad), plan)
+        else:
+            o, plan = expert_parallel_experts(
+                x,
+                routing,
+                w1,
+                w2,
+                group=dist.group.WORLD,
+                num_experts=E,
+                backend=backend,
+                wgrad=wgrad,
+                return_plan=True,
+                **opts,
+            )
         o.backward(c["grad"][off : off + T].to(device, bf16))
         if wgrad is not None:
             wgrad.compute()
@@ -278,6 +295,10 @@ def check(out: str) -> int:
         ("random", {"num_chunks": 2, "redispatch_x_in_backward": True, "deferred": True}),
         ("skewed", {"comm_sms": 16}),
         ("empty_rank", {"num_chunks": 2, "comm_sms": 32, "deferred": True}),
+        ("random", {"slots": True}),
+        ("skewed", {"slots": True, "deferred": True}),
+        ("empty_rank", {"slots": True}),
+        ("flat", {"slots": True}),
     ]
     for i, (kind, opts) in enumerate(variants):
         label = "+".join([kind] + [k if v is True else f"{k}{v}" for k, v in opts.items()])

@@ -33,6 +33,7 @@ import torch
 from .kernels import FlatRouting, TopKRouting
 from .router import RouterOutput
 from .token_dispatch import EPPlan, StartedPlan, TokenRounding, combine, dispatch, finish_plan, round_local, start_plan
+from .token_dispatch.slots import launch_slot_rows, slots_pay
 
 if TYPE_CHECKING:
     from .experts import SonicExperts
@@ -115,13 +116,19 @@ class ExpertParallelMode(DispatchMode):
     """Expert-parallel size > 1, one step per Megatron method: preprocess starts the plan, dispatch finishes it
     (the one host sync) and sends every token once to each rank that holds one of its experts, compute runs this
     rank's experts on the received rows (pre-reduced per row), combine sends the rows back and sums them per
-    token in a fixed order."""
+    token in a fixed order.
+
+    Where row slots pay for the layer's routing shape (``token_dispatch/slots.py``), dispatch launches the token
+    rows before the plan's host sync, in slots sized by the previous call's largest token count (the first call,
+    and a call with more tokens on some rank, use exact split sizes)."""
 
     _started: StartedPlan | None = None  # between preprocess and dispatch
     plan: EPPlan | None = None  # this forward's, from dispatch on
+    _row_slots: int | None = None  # the next plan's row slots: the last plan's largest token count
 
     def __init__(self, experts, options, config, group, num_experts):
         super().__init__(experts, options, config, group, num_experts)
+        self._slots_pay = slots_pay(num_experts, config.moe_router_topk, torch.distributed.get_world_size(group))
         # what the plan reads of token_dispatch's options, with and without this layer's rounding
         self._plan_options = options.ep
         self._rounded_plan_options = (
@@ -143,6 +150,7 @@ class ExpertParallelMode(DispatchMode):
             w1_EGD=self.experts.weight1,
             w2_EDF=self.experts.weight2,
             options=self._rounded_plan_options if rounded else self._plan_options,
+            row_slots=self._row_slots,
         )
         # The routing actually used (after rounding: padded, real pairs first), with autograd to the router; with
         # bad input on this rank an empty placeholder: dispatch raises on every rank before reading it.
@@ -152,14 +160,18 @@ class ExpertParallelMode(DispatchMode):
         return x_TH, scores
 
     def dispatch(self, x, scores):
-        self.plan, self._started = finish_plan(self._started), None  # the host sync: the split sizes
+        started, self._started = self._started, None
+        rows = launch_slot_rows(started, x) if started.row_slots is not None else None  # before the sync
+        self.plan = finish_plan(started)  # the host sync: the split sizes
+        if self._slots_pay:
+            self._row_slots = self.plan.max_tokens or None
         # Dispatch the scores Megatron passed in (under the 1F1B overlap schedule: a detached copy of the plan's
         # scores), so that autograd links between schedule nodes are only the tensors passed. With rounding they
         # were padded: the real pairs come first.
         num_pairs = self.plan.scores_R.shape[0]
         if scores.shape[0] != num_pairs:
             scores = scores[:num_pairs]
-        return dispatch(x, dataclasses.replace(self.plan, scores_R=scores))
+        return dispatch(x, dataclasses.replace(self.plan, scores_R=scores), rows)
 
     def compute(self, x_recv, scores_recv):
         beside_all_to_all = self.freed_by_1f1b_schedule  # another micro-batch's all-to-all runs beside this node

@@ -23,9 +23,12 @@ from sonic_megatron.token_dispatch import (
     combine,
     dispatch,
     expert_parallel_experts,
+    finish_plan,
     local_experts,
     make_plan,
+    start_plan,
 )
+from sonic_megatron.token_dispatch.slots import launch_slot_rows
 from test_kernels_helpers import within_torch_error
 
 # The Triton gather-sum of combine (its GPU path) runs interpreted on CPU; the flag is read when the
@@ -103,6 +106,19 @@ def run_ep(case, rank, P, *, dtype, mode="fused", group=None, **opts):
         out = expert_parallel_experts(
             x, routing, w1, w2, group=group, num_experts=case["E"], backend="torch", wgrad=wgrad, **opts
         )
+    elif mode == "slots":  # the token rows in slots of the largest T + slot_extra rows, launched before the sync
+        C = max(case["T_r"]) + opts.pop("slot_extra")
+        started = start_plan(
+            routing, num_experts=case["E"], group=group, x_TD=x, w1_EGD=w1, w2_EDF=w2, row_slots=C, **opts
+        )
+        assert started.row_slots == C
+        rows = launch_slot_rows(started, x)
+        plan = finish_plan(started)
+        assert plan.max_tokens == max(case["T_r"])
+        assert plan.row_slots == (C if max(case["T_r"]) <= C else None)  # more tokens than C: exact splits
+        xr, sr = dispatch(x, plan, rows)
+        assert xr.shape[0] == (P * C if plan.row_slots else plan.num_recv_rows)
+        out = combine(local_experts(xr, sr, w1, w2, plan, backend="torch", wgrad=wgrad), plan)
     else:
         plan = make_plan(routing, num_experts=case["E"], group=group, x_TD=x, **opts)
         xr, sr = dispatch(x, plan)
@@ -163,6 +179,12 @@ def _equivalence_worker(rank, P):
         ),
         "stepwise": ("random", {"mode": "stepwise"}),
         "stepwise_chunks2_empty_rank": ("empty_rank", {"mode": "stepwise", "num_chunks": 2}),
+        "slots": ("random", {"mode": "slots", "slot_extra": 3}),
+        "slots_exactly_full": ("skewed", {"mode": "slots", "slot_extra": 0}),
+        "slots_empty_rank": ("empty_rank", {"mode": "slots", "slot_extra": 1}),
+        "slots_one_expert_deferred": ("one_expert", {"mode": "slots", "slot_extra": 2, "deferred": True}),
+        "slots_flat": ("flat", {"mode": "slots", "slot_extra": 1}),
+        "slots_overflow_exact_splits": ("random", {"mode": "slots", "slot_extra": -1}),
     }
     for name, (kind, opts) in variants.items():
         case = global_case(kind, P, seed=zlib.crc32(name.encode()) % 1000)
@@ -187,7 +209,7 @@ def _equivalence_worker(rank, P):
         res[f"bf16/{kind}"] = {n: (a, t, r) for n, a, t, r in zip(NAMES, ours, torch_lp, ref64, strict=True)}
     # Determinism: repeated runs bitwise equal (bf16, chunked, both forms).
     case = global_case("random", P, seed=3, dtype=torch.bfloat16)
-    for mode, opts in (("fused", {"num_chunks": 3}), ("stepwise", {})):
+    for mode, opts in (("fused", {"num_chunks": 3}), ("stepwise", {}), ("slots", {"slot_extra": 2})):
         a = run_ep(case, rank, P, dtype=torch.bfloat16, mode=mode, **opts)
         b = run_ep(case, rank, P, dtype=torch.bfloat16, mode=mode, **opts)
         res[f"bitwise/{mode}"] = all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
@@ -200,6 +222,10 @@ def _equivalence_worker(rank, P):
     ):
         other = run_ep(case, rank, P, dtype=torch.bfloat16, **opts)
         res[f"same_bits/{name}"] = all(torch.equal(u, v) for u, v in zip(base, other, strict=True))
+    # Row slots against exact split sizes, both step-wise: the same bits.
+    base = run_ep(case, rank, P, dtype=torch.bfloat16, mode="stepwise")
+    other = run_ep(case, rank, P, dtype=torch.bfloat16, mode="slots", slot_extra=5)
+    res["same_bits/slots"] = all(torch.equal(u, v) for u, v in zip(base, other, strict=True))
     return res
 
 
@@ -239,6 +265,12 @@ F64_CASES = (
     "chunks2_redispatch_deferred_flat",
     "stepwise",
     "stepwise_chunks2_empty_rank",
+    "slots",
+    "slots_exactly_full",
+    "slots_empty_rank",
+    "slots_one_expert_deferred",
+    "slots_flat",
+    "slots_overflow_exact_splits",
 )
 
 
@@ -267,6 +299,8 @@ def test_repeated_runs_bitwise_equal(P):
     assert {k for k in _equivalence(P)[0] if "/" in k and k.split("/")[0] in ("bitwise", "same_bits")} == {
         "bitwise/fused",
         "bitwise/stepwise",
+        "bitwise/slots",
+        "same_bits/slots",
         "same_bits/redispatch",
         "same_bits/deferred",
         "same_bits/comm_sms",

@@ -18,7 +18,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MAXC, HDR = 16, 18
 
 
-def _inputs(P, N, L, rank, max_rows, max_pairs_per_row, seed, empty_sources=()):
+def _inputs(P, N, L, rank, max_rows, max_pairs_per_row, seed, empty_sources=(), slot_rows=0):
     g = torch.Generator().manual_seed(seed)
     counts = torch.randint(0, 50, (P, HDR + 2 * MAXC * P), generator=g)  # junk outside the used columns
     meta = []
@@ -36,7 +36,11 @@ def _inputs(P, N, L, rank, max_rows, max_pairs_per_row, seed, empty_sources=()):
     meta_QC = torch.tensor(meta, dtype=torch.int32).reshape(-1, 3)
     counts_PW = counts.to(DEVICE)[:, HDR:]
     U = int(sum(counts[p, HDR + c * P + rank] for c in range(N) for p in range(P)))
+    if slot_rows:  # rows in slots of slot_rows per (chunk, source): the slots' rows past a count carry no pair
+        U = N * P * slot_rows
     kw = dict(rank=rank, world_size=P, num_local_experts=L, num_chunks=N, pair_base=MAXC * P, num_recv_rows=U)
+    if slot_rows:
+        kw["slot_rows"] = slot_rows
     return meta_QC.to(DEVICE), counts_PW, kw
 
 
@@ -47,6 +51,12 @@ CASES = {
     "nothing_received": dict(P=2, N=2, L=2, rank=0, max_rows=0, max_pairs_per_row=1, seed=3),
     "one_local_expert": dict(P=2, N=1, L=1, rank=0, max_rows=6, max_pairs_per_row=1, seed=4),
     "several_programs": dict(P=2, N=2, L=8, rank=1, max_rows=400, max_pairs_per_row=8, seed=5),  # Q > 1024
+    "slots": dict(P=4, N=1, L=3, rank=1, max_rows=5, max_pairs_per_row=3, seed=6, slot_rows=7),
+    "slots_a_source_sends_nothing": dict(
+        P=3, N=1, L=2, rank=2, max_rows=4, max_pairs_per_row=2, seed=7, empty_sources=(0, 2), slot_rows=4
+    ),
+    "slots_nothing_received": dict(P=2, N=1, L=2, rank=0, max_rows=0, max_pairs_per_row=1, seed=8, slot_rows=3),
+    "slots_more_rows_than_pairs": dict(P=2, N=1, L=4, rank=1, max_rows=300, max_pairs_per_row=2, seed=9, slot_rows=900),
 }
 
 
@@ -82,6 +92,16 @@ def test_ep_recv_rows_keys_matches_torch(case):
             groups += [c] * n_pairs
     key = got[1].long().cpu()
     assert key.tolist() == [g * L + int(e) for g, e in zip(groups, meta_QC[:, 1].cpu().tolist(), strict=True)]
+    C = kw.get("slot_rows", 0)
+    if C:  # pair q of source p's slot sits at row p * C + its row in the segment; a slot's empty rows own no pair
+        seg = [p for p in range(P) for _ in range(int(counts_PW[p, kw["pair_base"] + rank]))]
+        rows = [p * C + int(r) for p, r in zip(seg, meta_QC[:, 0].cpu().tolist(), strict=True)]
+        assert got[0].long().cpu().tolist() == rows
+        toff = got[2].long().cpu()
+        assert toff[-1] == len(rows) and bool((toff.diff() >= 0).all())
+        assert [int(toff[u + 1] - toff[u]) for u in range(kw["num_recv_rows"])] == [
+            rows.count(u) for u in range(kw["num_recv_rows"])
+        ]
 
 
 def test_ep_recv_rows_keys_rejects_bad_input():

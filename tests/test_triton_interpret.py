@@ -211,7 +211,18 @@ def test_gather_sum_rejects_bad_input():
     with pytest.raises(ValueError, match="rows dtype"):
         gather_sum(torch.zeros(meta.num_rows, 8, dtype=torch.int32, device=DEVICE), meta, None)
     with pytest.raises(ValueError, match="routed pair count"):
-        gather_sum(torch.randn(meta.num_rows + 1, 8, device=DEVICE), meta, None)
+        gather_sum(torch.randn(meta.num_rows - 1, 8, device=DEVICE), meta, None)
+
+
+def test_gather_sum_reads_only_the_pairs_rows_of_a_longer_buffer():
+    """Rows past the pair count (a slotted buffer, as the expert-parallel combine's) are never read."""
+    _, gather_sum = _kernels()
+    routing, E = CASES["topk_ragged"](torch.Generator().manual_seed(5))
+    tok, ex, scores, off = flatten_routing(_to(routing, DEVICE))
+    meta = compute_metadata_torch(tok, ex, off, E)
+    rows = torch.randn(meta.num_rows, 8, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    longer = torch.cat([rows, torch.full((5, 8), float("nan"), device=DEVICE)])
+    assert torch.equal(gather_sum(longer, meta, scores), gather_sum(rows, meta, scores))
 
 
 @pytest.mark.parametrize("shape", [(37, 100), (64, 256), (5, 1)])

@@ -23,6 +23,8 @@ Refinements of the team contract (all contract names work as specified):
   * ``make_plan`` = ``finish_plan(start_plan(...))``: ``start_plan`` launches the plan's device work and its sizes
     exchange without waiting, ``finish_plan`` holds the host sync; GPU work queued between the two runs while the
     host waits (Megatron's dispatcher calls them in ``dispatch_preprocess`` and ``token_dispatch``).
+  * ``start_plan(..., row_slots=C)`` + ``slots.launch_slot_rows(started, x_TD)`` before ``finish_plan``: the token
+    rows leave in slots before the sync; ``dispatch(x_TD, plan, rows)`` takes them (``slots.py``).
   * ``expert_parallel_experts(..., return_plan=True)`` also returns the ``EPPlan``.
   * ``DeferredWeightGrad(sink=...)``: pass as ``EPOptions.wgrad``; ``wgrad.compute()`` runs the deferred dW GEMMs
     and hands each result to the sink (default: ``.grad``).
@@ -33,9 +35,10 @@ Refinements of the team contract (all contract names work as specified):
     ``local_experts`` caches the received rows.
 Modules: options (``EPOptions``), engine (one micro-batch's forward and backward: plan, dispatch, experts,
 combine), front-ends layer (one autograd node) and stepwise (Megatron's method split); plan
-(``EPPlan``/``make_plan``, decides rounding) from send_side (+ triton_send), sizes (the one counts exchange) and
-recv_side (+ triton_recv); rounding (+ triton_round), exchange (row movement), comm (collectives), validation
-(header), wgrad (deferral), launch_count (host-work counter of ``bench layer --count-ops``).
+(``EPPlan``/``make_plan``, decides rounding) from send_side (+ triton_send), sizes (the one counts exchange),
+recv_side (+ triton_recv) and slots (rows sent before the sync); rounding (+ triton_round), exchange (row
+movement), comm (collectives), validation (header), wgrad (deferral), launch_count (host-work counter of
+``bench layer --count-ops``).
 """
 
 from .layer import expert_parallel_experts

@@ -52,7 +52,10 @@ def recv_pairs(plan: EPPlan, buf: torch.Tensor, i: int) -> torch.Tensor:
 
 
 def gather_send_rows(plan: EPPlan, x_TD: torch.Tensor) -> torch.Tensor:
-    """The send buffer [S, D]: one gather of this rank's token rows (a token once per destination)."""
+    """The send buffer [S, D]: one gather of this rank's token rows (a token once per destination); with row
+    slots [P * C, D], rows that carry no token read token 0 (``slots.py``), or are zeros where there is none."""
+    if plan.num_tokens == 0:
+        return x_TD.new_zeros(plan.num_send_rows, x_TD.shape[1])
     return x_TD.index_select(0, plan.send_token_idx_S)
 
 

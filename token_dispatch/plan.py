@@ -54,6 +54,7 @@ from .sizes import (
     receive_header_and_counts,
     split_sizes,
 )
+from .slots import SlotLayout, slot_layout
 
 
 @dataclass
@@ -89,6 +90,8 @@ class EPPlan:
     recv_rows: list[list[int]]
     recv_pairs: list[list[int]]
     rounding: RoundingResult | None = None
+    row_slots: int | None = None  # C: rows in slots of C rows per (source, destination) (``slots.py``), else None
+    max_tokens: int = 0  # the most tokens of any rank in this call (the next call's row slots)
     _offsets: dict = field(default_factory=dict, repr=False)
     _incoming: IncomingPairs | None = field(default=None, repr=False)  # the pair all-to-alls (recv_side.py)
     _recv_meta: list | None = field(default=None, repr=False)
@@ -111,6 +114,7 @@ class EPPlan:
                 num_chunks=self.num_chunks,
                 num_recv_rows=self.num_recv_rows,
                 pair_base=pair_base(self.world_size),
+                slot_rows=self.row_slots or 0,
             )
         return self._recv_meta
 
@@ -210,6 +214,9 @@ class StartedPlan:
     side: object
     sizes: SizesInFlight
     error_cause: Exception | None = None  # what raised on this rank: the cause of finish_plan's error here
+    row_slots: int | None = None  # C: the token rows go in slots before the sync (``slots.launch_slot_rows``)
+    slots: SlotLayout | None = None  # this rank's send rows in those slots (None with bad input)
+    row_like: tuple | None = None  # (D, dtype, device) of the slotted rows, the same on every rank
 
 
 @dataclass(frozen=True)
@@ -278,12 +285,15 @@ def start_plan(
     w1_EGD: torch.Tensor | None = None,
     w2_EDF: torch.Tensor | None = None,
     options: EPOptions | None = None,
+    row_slots: int | None = None,
     **option_kw,
 ) -> StartedPlan:
     """``make_plan`` up to its host sync: the device work and the collectives are launched, nothing waits.
     ``finish_plan`` completes it; GPU work queued in between runs while the host waits there (Megatron's method
     split calls this in ``dispatch_preprocess`` and ``finish_plan`` in ``token_dispatch``). Arguments as
-    ``make_plan``."""
+    ``make_plan``, and ``row_slots``: C, the same on every rank (the previous plan's ``max_tokens``), to send the
+    token rows in slots of C rows before the sync (``slots.py``; one chunk, x_TD given, P > 1: else ignored).
+    Every rank then calls ``slots.launch_slot_rows`` before ``finish_plan``."""
     inputs = PlanInputs(
         routing=routing,
         num_experts=num_experts,
@@ -294,7 +304,7 @@ def start_plan(
         w2_EDF=w2_EDF,
     )
     opts, error = parse_options("make_plan", options, option_kw)
-    return _start_plan(inputs, opts, options_error=error)
+    return _start_plan(inputs, opts, options_error=error, row_slots=row_slots)
 
 
 def plan_layer(inputs: PlanInputs, options: EPOptions, *, options_error: str | None = None) -> EPPlan:
@@ -302,7 +312,9 @@ def plan_layer(inputs: PlanInputs, options: EPOptions, *, options_error: str | N
     return finish_plan(_start_plan(inputs, options, options_error=options_error))
 
 
-def _start_plan(inputs: PlanInputs, options: EPOptions, *, options_error: str | None = None) -> StartedPlan:
+def _start_plan(
+    inputs: PlanInputs, options: EPOptions, *, options_error: str | None = None, row_slots: int | None = None
+) -> StartedPlan:
     """Steps 1-3 and the launch of step 4's exchange: device work and collectives only, no host wait. Every rank
     launches the same collectives, also with bad input: whatever fails on this rank before them (a check, the
     backend's argument rules, the device work on its own pairs) rides in the header, so that every rank raises it
@@ -341,6 +353,12 @@ def _start_plan(inputs: PlanInputs, options: EPOptions, *, options_error: str | 
             stats = tok_R = exp_R = scores_R = kernels = None
     N = options.num_chunks if error is None else 1
     L = max(num_experts // P, 1) if error is None else 1
+    # Row slots: decided from what every rank shares (the caller's C, the options, P), never from this rank's input.
+    row_like = _row_like(x_TD, w1_EGD)
+    if row_slots is not None and (not isinstance(row_slots, int) or row_slots < 1):
+        error = error or f"row_slots must be None or an int >= 1, got {row_slots!r}"
+    slotted = isinstance(row_slots, int) and row_slots >= 1 and options.num_chunks == 1 and P > 1 and row_like
+    C = row_slots if slotted else None
     # 2. rounding: the one place that decides it, on the device (the candidate all-gather rides before step 4)
     rounded = duplicates = None
     if rounding is not None:
@@ -364,6 +382,7 @@ def _start_plan(inputs: PlanInputs, options: EPOptions, *, options_error: str | 
         activation=options.activation,
         top_k=-1 if indices is None else (indices.shape[-1] if indices.dim() else 0),
         scores_dtype=_scores(routing).dtype if is_topk or is_flat else None,
+        row_slots=C,
     )
     # 3. send side, before the sync (rounded: padding pairs go nowhere). With the kernels, its counts and index
     # stats land straight in the sizes exchange's buffer, whose other fields come from a cached copy.
@@ -378,6 +397,7 @@ def _start_plan(inputs: PlanInputs, options: EPOptions, *, options_error: str | 
                 side = build_send_side(tok_R, exp_R, scores_R, T, L, P, N, topk, padded=rounding is not None)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by the header check
             error, cause, side, exchange = _local_error(exc), exc, None, None
+    slots = None if C is None or side is None else slot_layout(side.send_token_idx_R, side.rows_NP[:P], P, C)
     # 4a. sizes: header + counts launched towards the host
     if exchange is None:
         fields["error"] = error is not None
@@ -401,7 +421,20 @@ def _start_plan(inputs: PlanInputs, options: EPOptions, *, options_error: str | 
         side=side,
         sizes=sizes,
         error_cause=cause,
+        row_slots=C,
+        slots=slots,
+        row_like=row_like if C is not None else None,
     )
+
+
+def _row_like(x_TD, w1_EGD) -> tuple | None:
+    """(D, dtype, device) of the token rows as every rank's model has them: from the weights where given (the
+    layer's parameters), else from x; None where neither is a tensor of the right rank."""
+    if isinstance(w1_EGD, torch.Tensor) and w1_EGD.dim() == 3:
+        return w1_EGD.shape[2], w1_EGD.dtype, w1_EGD.device
+    if isinstance(x_TD, torch.Tensor) and x_TD.dim() == 2:
+        return x_TD.shape[1], x_TD.dtype, x_TD.device
+    return None
 
 
 # Header fields the send-side kernels write (min / max expert, the duplicate flag); top-K routing's tokens are 0..T-1
@@ -437,7 +470,7 @@ def finish_plan(started: StartedPlan) -> EPPlan:
     """Step 4's host sync (the plan's one: the header check raises here on every rank) and step 5."""
     s, P, N = started, started.world_size, started.num_chunks
     try:
-        counts_host, counts_PW = receive_header_and_counts(
+        counts_host, counts_PW, max_tokens = receive_header_and_counts(
             s.sizes, local_error=s.error, group=s.group, num_experts=s.num_experts
         )
     except V.EPInputError as exc:
@@ -452,6 +485,12 @@ def finish_plan(started: StartedPlan) -> EPPlan:
         tok_R, exp_R, scores_R = tok_R[:R], exp_R[:R], scores_R[:R]
         rounded = replace(rounded, token_idx_R=tok_R, expert_idx_R=exp_R, scores_R=scores_R)
     side = s.side
+    send_token_idx_S, combine_order_S = side.send_token_idx_R[:S], side.combine_order_R[:S]
+    send_rows, recv_rows = sizes.send_rows, sizes.recv_rows
+    row_slots = s.row_slots if s.row_slots is not None and max_tokens <= s.row_slots else None
+    if row_slots is not None:  # the rows travel in slots (``slots.py``); else exact, the slots' rows unused
+        send_rows = recv_rows = [[row_slots] * P]
+        send_token_idx_S, combine_order_S = s.slots.token_idx, s.slots.pos_R[combine_order_S]
     plan = EPPlan(
         group=s.group,
         rank=s.rank,
@@ -463,15 +502,17 @@ def finish_plan(started: StartedPlan) -> EPPlan:
         token_idx_R=tok_R,
         expert_idx_R=exp_R,
         scores_R=scores_R,
-        send_token_idx_S=side.send_token_idx_R[:S],
+        send_token_idx_S=send_token_idx_S,
         send_pair_idx=side.order[:R],
-        combine_order_S=side.combine_order_R[:S],
+        combine_order_S=combine_order_S,
         combine_offsets=side.combine_offsets,
-        send_rows=sizes.send_rows,
+        send_rows=send_rows,
         send_pairs=sizes.send_pairs,
-        recv_rows=sizes.recv_rows,
+        recv_rows=recv_rows,
         recv_pairs=sizes.recv_pairs,
         rounding=rounded,
+        row_slots=row_slots,
+        max_tokens=max_tokens,
     )
     # 5. receive side: the pair metadata leaves now, not waited for (``plan.recv_meta`` waits on first use)
     plan._incoming = launch_pair_all_to_alls(

@@ -71,16 +71,21 @@ def recv_rows_keys_torch(
     num_chunks,
     pair_base,
     num_recv_rows,
+    slot_rows=0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row_Q, key_Q, token_offsets) int32 of the received pairs with PyTorch ops: the reference of (and the
-    CPU path for) the one-launch Triton kernel ``triton_recv.py`` (its docstring defines them)."""
+    CPU path for) the one-launch Triton kernel ``triton_recv.py`` (its docstring defines them). ``slot_rows``: C
+    when the rows arrived in slots of C rows per source (``slots.py``), else 0."""
     N, P, L, device = num_chunks, world_size, num_local_experts, counts_PW.device
     Q, U = meta_QC.shape[0], num_recv_rows
     cols = rank + P * torch.arange(N, device=device)  # column of (chunk c, destination = this rank)
     recv_rows_NP = counts_PW[:, cols].t().reshape(-1)  # [(chunk, source)] rows received
     recv_pairs_NP = counts_PW[:, pair_base + cols].t().reshape(-1)
     seg_Q = torch.repeat_interleave(torch.arange(N * P, device=device), recv_pairs_NP, output_size=Q)
-    seg_row0 = torch.cumsum(recv_rows_NP, 0) - recv_rows_NP  # first receive row of each (chunk, source)
+    if slot_rows:  # first receive row of each (chunk, source): its slot, or after the segments before it
+        seg_row0 = torch.arange(N * P, device=device) * slot_rows
+    else:
+        seg_row0 = torch.cumsum(recv_rows_NP, 0) - recv_rows_NP
     row_Q = meta_QC[:, 0].long() + seg_row0[seg_Q]  # row in the whole receive buffer (non-decreasing)
     key_Q = torch.div(seg_Q, P, rounding_mode="floor") * L + meta_QC[:, 1].long()  # (chunk, local expert)
     token_offsets = run_offsets(row_Q, U)
@@ -109,12 +114,14 @@ def recv_metadata(
     num_chunks: int,
     num_recv_rows: int,
     pair_base: int,
+    slot_rows: int = 0,
 ) -> list[RoutingMetadata]:
     """Per stage (a chunk), RoutingMetadata of the stage's received pairs over the L local experts (rows index
-    that stage's slice of the receive buffer). Built ONCE for all stages -- experts (chunk, local expert), N*L of
-    them, so stage i's expert-sorted rows are exactly its pair range -- then shifted per stage (5 int32 ops a
-    stage). ``stages``: per stage, its pairs [q0, q1) and rows [u0, u1) in the receive buffers.
-    ``pair_base``: the column of the first pair count in ``incoming.counts_PW``."""
+    that stage's slice of the receive buffer; ``slot_rows``: C for rows in slots, ``slots.py``, else 0). Built
+    ONCE for all stages -- experts (chunk, local expert), N*L of them, so stage i's expert-sorted rows are exactly
+    its pair range -- then shifted per stage (5 int32 ops a stage). ``stages``: per stage, its pairs [q0, q1)
+    and rows [u0, u1) in the receive buffers. ``pair_base``: the column of the first pair count in
+    ``incoming.counts_PW``."""
     L = num_local_experts
     row_Q, key_Q, token_offsets = _recv_rows_keys(
         incoming.meta_QC(),
@@ -125,6 +132,7 @@ def recv_metadata(
         num_chunks=num_chunks,
         pair_base=pair_base,
         num_recv_rows=num_recv_rows,
+        slot_rows=slot_rows,
     )
     meta = _metadata_builder(incoming.counts_PW.device)(row_Q, key_Q, token_offsets, len(stages) * L)
     if len(stages) == 1:

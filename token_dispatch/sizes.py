@@ -119,16 +119,16 @@ def exchange_outputs(exchange: torch.Tensor, world_size: int, num_chunks: int):
 
 def receive_header_and_counts(
     sizes: SizesInFlight, *, local_error: str | None, group, num_experts: int
-) -> tuple[list[list[int]], torch.Tensor]:
+) -> tuple[list[list[int]], torch.Tensor, int]:
     """The plan's host sync: wait for ``sizes``, then the header check (raises the same ``EPInputError`` on every
-    rank). Returns (counts [P][W] host ints, the same counts [P, W] on the device)."""
+    rank). Returns (counts [P][W] host ints, the same counts [P, W] on the device, the most tokens of any rank)."""
     if sizes.ready is not None:
         sizes.ready.synchronize()
     gathered = sizes.host.tolist()  # the host sync (on CUDA the event above already waited)
     V.check_headers([g[: V.HEADER_LEN] for g in gathered], local_error, group, num_experts)
     counts_host = [g[V.HEADER_LEN :] for g in gathered]
     check_received_pairs(counts_host)
-    return counts_host, sizes.device[:, V.HEADER_LEN :]
+    return counts_host, sizes.device[:, V.HEADER_LEN :], max(g[1] for g in gathered)
 
 
 def check_received_pairs(counts_host: list[list[int]]) -> None:

@@ -21,13 +21,15 @@ from . import exchange as X
 from .comm import Pending
 from .options import EPOptions, resolve_options
 from .plan import EPPlan
+from .slots import RowsInFlight
 
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, scores_R, plan):
+    def forward(ctx, x_TD, scores_R, plan, rows):
         ctx.plan, ctx.scores_like = plan, (scores_R.shape, scores_R.dtype, scores_R.device)
-        recv_UD = G.all_rows(plan, X.gather_send_rows(plan, x_TD.contiguous()))
+        # with ``rows``, x's rows left in their slots before the plan's sync (slots.launch_slot_rows)
+        recv_UD = rows.wait() if rows is not None else G.all_rows(plan, X.gather_send_rows(plan, x_TD.contiguous()))
         return recv_UD, plan.recv_scores()  # the scores came with the plan's pair all-to-alls
 
     @staticmethod
@@ -45,7 +47,7 @@ class _Dispatch(torch.autograd.Function):
                 X.pairs_to_sources(plan, X.recv_pairs(plan, ds_recv, i), ds_send, i, pending)
             pending.wait()
             ds_R = X.scatter_pair_grads(plan, ds_send, torch.empty(shape, dtype=dtype, device=device))
-        return dx_TD, ds_R, None
+        return dx_TD, ds_R, None, None
 
 
 def _concat(per_chunk: list[torch.Tensor]) -> torch.Tensor:
@@ -104,14 +106,19 @@ class _Combine(torch.autograd.Function):
         return G.all_rows(plan, X.gather_send_rows(plan, grad_TD.contiguous())), None
 
 
-def dispatch(x_TD: torch.Tensor, plan: EPPlan) -> tuple[torch.Tensor, torch.Tensor]:
+def dispatch(x_TD: torch.Tensor, plan: EPPlan, rows: RowsInFlight | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Send each token once to every rank that holds one of its experts, with its pairs' scores.
 
     Returns (x_recv [U, D] rows ordered (chunk, source rank, token), scores_recv [Q] per received pair).
-    Gradients return to ``x_TD`` and to ``plan.scores_R`` (hence to the routing scores)."""
+    Gradients return to ``x_TD`` and to ``plan.scores_R`` (hence to the routing scores). ``rows``: x's rows already
+    on their way in slots (``slots.launch_slot_rows`` of this plan's started plan, with this x); used where the plan
+    kept its slots (``plan.row_slots``), else waited for and dropped (every rank decides alike)."""
     if x_TD.dim() != 2 or x_TD.shape[0] != plan.num_tokens:  # holds for the x the plan checked (module docstring)
         raise ValueError(f"dispatch: x must be [T = {plan.num_tokens}, D] (the plan's tokens), got {tuple(x_TD.shape)}")
-    return _Dispatch.apply(x_TD, plan.scores_R, plan)
+    if rows is not None and plan.row_slots is None:  # some rank had more tokens than the slots: exact splits
+        rows.wait()
+        rows = None
+    return _Dispatch.apply(x_TD, plan.scores_R, plan, rows)
 
 
 def local_experts(

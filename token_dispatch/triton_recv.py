@@ -14,6 +14,8 @@ Outputs (int32), as ``recv_side.recv_rows_keys_torch`` (the reference and the CP
 Each program takes BLOCK pairs and walks the N*P segment sizes (at most 16 * P) to place them. Every
 received row has at least one pair and row_Q steps by 0 or 1, so the first pair of row u is the pair q with
 row_Q[q] != row_Q[q - 1]: exactly one writer per ``token_offsets`` element, no atomics, exact integers.
+With row slots (``slots.py``: segment j's rows start at j * slot_rows, rows past its count carry no pair), each
+program also takes BLOCK rows and writes the offsets of the rows without pairs: the pairs before the next segment.
 """
 
 from __future__ import annotations
@@ -38,10 +40,12 @@ def _recv_rows_keys_kernel(
     NP,
     Q,
     U,
+    slot_rows,
     row_ptr,
     key_ptr,
     toff_ptr,
     BLOCK: tl.constexpr,
+    SLOTTED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     q = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -55,6 +59,8 @@ def _recv_rows_keys_kernel(
     key = tl.zeros([BLOCK], dtype=tl.int64)
     pstart = tl.zeros([1], dtype=tl.int64)
     rstart = tl.zeros([1], dtype=tl.int64)
+    u = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # this program's rows (slots only)
+    empty_row_off = tl.full([BLOCK], -1, dtype=tl.int64)
     for j in range(0, NP):
         c = j // P
         p = j - c * P
@@ -66,11 +72,17 @@ def _recv_rows_keys_kernel(
         key = tl.where((q >= pstart) & (q < pend), lexp + c * L, key)
         row_p = tl.where((qp >= pstart) & (qp < pend), rloc_p + rstart, row_p)
         pstart = pend
-        rstart = rstart + n_rows
+        if SLOTTED:
+            empty_row_off = tl.where((u >= rstart + n_rows) & (u < rstart + slot_rows), pend, empty_row_off)
+            rstart = rstart + slot_rows
+        else:
+            rstart = rstart + n_rows
     tl.store(row_ptr + q, row.to(tl.int32), mask=mask)
     tl.store(key_ptr + q, key.to(tl.int32), mask=mask)
     first = mask & ((q == 0) | (row != row_p))
     tl.store(toff_ptr + row, q.to(tl.int32), mask=first)
+    if SLOTTED:
+        tl.store(toff_ptr + u, empty_row_off.to(tl.int32), mask=(u < U) & (empty_row_off >= 0))
     if pid == 0:
         tl.store(toff_ptr + U, Q)
 
@@ -85,6 +97,7 @@ def ep_recv_rows_keys(
     num_chunks: int,
     pair_base: int,
     num_recv_rows: int,
+    slot_rows: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row_Q, key_Q, token_offsets) int32 of the received pairs (see the module docstring).
 
@@ -95,6 +108,7 @@ def ep_recv_rows_keys(
         rank, world_size, num_local_experts, num_chunks: r, P, L, N.
         pair_base: column offset of the pair counts in ``counts_PW``.
         num_recv_rows: U (host-known after the plan's sync).
+        slot_rows: C when the rows arrived in slots of C rows per (chunk, source) (``slots.py``), else 0.
     """
     Q = meta_QC.shape[0]
     if meta_QC.dtype != torch.int32 or meta_QC.dim() != 2 or meta_QC.shape[1] < 2 or meta_QC.stride(1) != 1:
@@ -108,7 +122,7 @@ def ep_recv_rows_keys(
     row_Q = torch.empty(Q, dtype=torch.int32, device=device)
     key_Q = torch.empty(Q, dtype=torch.int32, device=device)
     token_offsets = torch.empty(num_recv_rows + 1, dtype=torch.int32, device=device)
-    grid = (max(1, triton.cdiv(Q, _BLOCK)),)
+    grid = (max(1, triton.cdiv(max(Q, num_recv_rows) if slot_rows else Q, _BLOCK)),)
     _recv_rows_keys_kernel[grid](
         meta_QC,
         meta_QC.stride(0),
@@ -121,9 +135,11 @@ def ep_recv_rows_keys(
         num_chunks * world_size,
         Q,
         num_recv_rows,
+        slot_rows,
         row_Q,
         key_Q,
         token_offsets,
         BLOCK=_BLOCK,
+        SLOTTED=bool(slot_rows),
     )
     return row_Q, key_Q, token_offsets

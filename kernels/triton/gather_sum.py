@@ -79,7 +79,8 @@ def gather_sum(
     """[T, D] in rows' dtype: per token, the (weighted) fp32 sum of its pairs' rows, in pair order.
 
     Args:
-        rows_RD: expert-sorted rows [R, D] (fp16/bf16/fp32, unit stride along D).
+        rows_RD: expert-sorted rows [R, D] (fp16/bf16/fp32, unit stride along D); rows past the pair count may
+            follow (read only through ``s_reverse_scatter_idx``: the combine sums rows of a slotted buffer).
         meta: routing metadata (uses ``s_reverse_scatter_idx`` and ``token_offsets``).
         weights_R: per flat pair weights [R] (any float dtype, read as fp32), or None for a plain sum.
         pairs_per_token: expected pairs per token when ``meta.pairs_per_token`` is 0 (CSR routing); sets how
@@ -90,9 +91,11 @@ def gather_sum(
         raise ValueError(f"gather_sum: rows dtype must be one of {_ROW_DTYPES}, got {rows_RD.dtype}")
     if rows_RD.dim() != 2 or (rows_RD.shape[1] > 1 and rows_RD.stride(1) != 1):
         raise ValueError(f"gather_sum: rows must be 2-D with unit stride along D, got {tuple(rows_RD.stride())}")
-    R, D = rows_RD.shape
-    if meta.num_rows != R:
-        raise ValueError(f"gather_sum: rows.shape[0] must be the routed pair count {meta.num_rows}, got {R}")
+    D, R = rows_RD.shape[1], meta.num_rows
+    if rows_RD.shape[0] < R:
+        raise ValueError(
+            f"gather_sum: rows.shape[0] must be at least the routed pair count {R}, got {rows_RD.shape[0]}"
+        )
     if weights_R is not None and weights_R.numel() != R:
         raise ValueError(f"gather_sum: weights must have {R} elements, got {weights_R.numel()}")
     T = meta.token_offsets.numel() - 1
