@@ -22,7 +22,8 @@ nothing), a rank without tokens, and flat routing:
     tokens: RMS and max error at most 2x PyTorch's bf16 error (+ eps/4, eps of the largest value);
   * EP == the single-process kernels (same backend) on the concatenation, reported (max relative diff);
   * num_chunks=2 + redispatch + deferred wgrad, comm_sms (+ chunks 2, deferred wgrad), and the step-wise path
-    with the token rows in slots (token_dispatch/slots.py) within the same criterion; repeated runs bitwise equal;
+    with the token rows and pairs in slots before the plan's sync (token_dispatch/slots.py) within the same
+    criterion; repeated runs bitwise equal;
   * token rounding (nearest, tile 128): every local expert's received count a multiple of 128, and the
     decision (pairs and scores) bitwise equal to single-process rounding of the concatenation.
 """
@@ -168,16 +169,15 @@ def check(out: str) -> int:
     from sonic_megatron.kernels.interface import cute_unavailable_reason
     from sonic_megatron.token_dispatch import (
         DeferredWeightGrad,
+        Slots,
         TokenRounding,
         combine,
-        dispatch,
+        dispatch_before_sync,
         expert_parallel_experts,
-        finish_plan,
         local_experts,
         round_routing,
         start_plan,
     )
-    from sonic_megatron.token_dispatch.slots import launch_slot_rows
 
     local = int(os.environ["LOCAL_RANK"])
     on_cpu = os.environ.get("EP_CHECK_CPU") == "1"  # plumbing test of this script on a CPU machine (gloo)
@@ -241,16 +241,16 @@ def check(out: str) -> int:
         wgrad = DeferredWeightGrad() if opts.pop("deferred", False) else None
         if opts.pop("rounding", False):
             opts.update(rounding=TokenRounding("nearest", tile), rounding_scores_TE=probs)
-        if opts.pop("slots", False):  # the step-wise path with the token rows in slots, launched before the sync
-            C = max(c["T_r"]) + 3
+        if opts.pop("slots", False):  # the step-wise path, rows and pairs in slots before the plan's sync
+            slots = Slots.for_layer(max(c["T_r"]) + 3, L, None if c["kind"] == "flat" else K)
             started = start_plan(
-                routing, num_experts=E, group=dist.group.WORLD, x_TD=x, w1_EGD=w1, w2_EDF=w2, row_slots=C
+                routing, num_experts=E, group=dist.group.WORLD, x_TD=x, w1_EGD=w1, w2_EDF=w2, slots=slots
             )
-            rows = launch_slot_rows(started, x)
-            plan = finish_plan(started)
-            assert plan.row_slots == C, (plan.row_slots, C)
-            xr, sr = dispatch(x, plan, rows)
-            o = combine(local_experts(xr, sr, w1, w2, plan, backend=backend, wgrad=wgrad), plan)
+            xr, ss, early = dispatch_before_sync(x, started.scores_R, started)
+            plan = early.finish()
+            assert (plan.row_slots, plan.pair_slots) == (slots.rows, slots.pairs)
+            y = local_experts(xr, plan.pairs_from_slots(ss), w1, w2, plan, backend=backend, wgrad=wgrad)
+            o = combine(y, plan)
         else:
             o, plan = expert_parallel_experts(
                 x,

@@ -32,8 +32,20 @@ import torch
 
 from .kernels import FlatRouting, TopKRouting
 from .router import RouterOutput
-from .token_dispatch import EPPlan, StartedPlan, TokenRounding, combine, dispatch, finish_plan, round_local, start_plan
-from .token_dispatch.slots import launch_slot_rows, slots_pay
+from .token_dispatch import (
+    EarlyDispatch,
+    EPPlan,
+    Slots,
+    StartedPlan,
+    TokenRounding,
+    combine,
+    dispatch,
+    dispatch_before_sync,
+    finish_plan,
+    round_local,
+    start_plan,
+)
+from .token_dispatch.slots import slots_pay
 
 if TYPE_CHECKING:
     from .experts import SonicExperts
@@ -118,17 +130,22 @@ class ExpertParallelMode(DispatchMode):
     rank's experts on the received rows (pre-reduced per row), combine sends the rows back and sums them per
     token in a fixed order.
 
-    Where row slots pay for the layer's routing shape (``token_dispatch/slots.py``), dispatch launches the token
-    rows before the plan's host sync, in slots sized by the previous call's largest token count (the first call,
-    and a call with more tokens on some rank, use exact split sizes)."""
+    Under Megatron's 1F1B EP overlap, where slots pay for the layer's routing shape (``token_dispatch/slots.py``)
+    and every micro-batch has the same tokens (``variable_seq_lengths`` off), dispatch sends the rows and pairs in
+    slots sized by the previous call before the plan's host sync, and compute waits for the sizes: the schedule
+    has queued the other micro-batch's MLP backward by then, so the GPU runs it while the host waits (the first
+    call, and calls with token rounding, use exact split sizes)."""
 
     _started: StartedPlan | None = None  # between preprocess and dispatch
-    plan: EPPlan | None = None  # this forward's, from dispatch on
-    _row_slots: int | None = None  # the next plan's row slots: the last plan's largest token count
+    _early: EarlyDispatch | None = None  # between dispatch and compute, with slots
+    plan: EPPlan | None = None  # this forward's, from dispatch (with slots: compute) on
+    _slots: Slots | None = None  # the next plan's slots: from the last plan's largest token count
 
     def __init__(self, experts, options, config, group, num_experts):
         super().__init__(experts, options, config, group, num_experts)
-        self._slots_pay = slots_pay(num_experts, config.moe_router_topk, torch.distributed.get_world_size(group))
+        P = torch.distributed.get_world_size(group)
+        self._slots_pay = slots_pay(num_experts, config.moe_router_topk, P)
+        self._slot_shape = (num_experts // P, config.moe_router_topk)  # L, K
         # what the plan reads of token_dispatch's options, with and without this layer's rounding
         self._plan_options = options.ep
         self._rounded_plan_options = (
@@ -137,12 +154,14 @@ class ExpertParallelMode(DispatchMode):
 
     def preprocess(self, x_TH, routed):
         rounded = self.rounding(routed) is not None
-        # The plan's device work and its sizes exchange are launched here; its host sync waits in dispatch, so
-        # that work a schedule queues in between (Megatron's 1F1B EP overlap: another micro-batch's backward)
-        # keeps the GPU busy while the host waits. It checks x and the experts' weights (and the backend's rules
-        # for them) on every rank together, so that the later steps find nothing to refuse on one rank alone.
+        routing = _unpadded(_routing(routed))
+        # The plan's device work and its sizes exchange are launched here; its host sync waits in dispatch (with
+        # slots: in compute), so that work a schedule queues in between (Megatron's 1F1B EP overlap: another
+        # micro-batch's backward) keeps the GPU busy while the host waits. It checks x and the experts' weights
+        # (and the backend's rules for them) on every rank together, so that the later steps find nothing to
+        # refuse on one rank alone.
         self._started = start_plan(
-            _unpadded(_routing(routed)),
+            routing,
             num_experts=self.num_experts,
             group=self.group,
             rounding_scores_TE=routed.dense_probs_TE,
@@ -150,7 +169,7 @@ class ExpertParallelMode(DispatchMode):
             w1_EGD=self.experts.weight1,
             w2_EDF=self.experts.weight2,
             options=self._rounded_plan_options if rounded else self._plan_options,
-            row_slots=self._row_slots,
+            slots=self._slots if not rounded and isinstance(routing, TopKRouting) and torch.is_grad_enabled() else None,
         )
         # The routing actually used (after rounding: padded, real pairs first), with autograd to the router; with
         # bad input on this rank an empty placeholder: dispatch raises on every rank before reading it.
@@ -161,19 +180,30 @@ class ExpertParallelMode(DispatchMode):
 
     def dispatch(self, x, scores):
         started, self._started = self._started, None
-        rows = launch_slot_rows(started, x) if started.row_slots is not None else None  # before the sync
-        self.plan = finish_plan(started)  # the host sync: the split sizes
-        if self._slots_pay:
-            self._row_slots = self.plan.max_tokens or None
+        if started.slots is not None:  # before the sync: compute waits for it
+            x_recv, scores_slots, self._early = dispatch_before_sync(x, scores, started)
+            return x_recv, scores_slots
+        self._set_plan(finish_plan(started))  # the host sync: the split sizes
         # Dispatch the scores Megatron passed in (under the 1F1B overlap schedule: a detached copy of the plan's
         # scores), so that autograd links between schedule nodes are only the tensors passed. With rounding they
         # were padded: the real pairs come first.
         num_pairs = self.plan.scores_R.shape[0]
         if scores.shape[0] != num_pairs:
             scores = scores[:num_pairs]
-        return dispatch(x, dataclasses.replace(self.plan, scores_R=scores), rows)
+        return dispatch(x, dataclasses.replace(self.plan, scores_R=scores))
+
+    def _set_plan(self, plan: EPPlan) -> None:
+        """This forward's plan, and the next call's slots from it."""
+        self.plan = plan
+        fixed_tokens = not getattr(self.config, "variable_seq_lengths", False)
+        slotted = self._slots_pay and self.freed_by_1f1b_schedule and fixed_tokens
+        self._slots = Slots.for_layer(plan.max_tokens, *self._slot_shape) if slotted and plan.max_tokens else None
 
     def compute(self, x_recv, scores_recv):
+        if self._early is not None:  # the host sync: the split sizes (the rows and pairs are here already)
+            early, self._early = self._early, None
+            self._set_plan(early.finish())
+            scores_recv = self.plan.pairs_from_slots(scores_recv)
         beside_all_to_all = self.freed_by_1f1b_schedule  # another micro-batch's all-to-all runs beside this node
         if beside_all_to_all:  # local_experts caches the received rows for backward
             x_recv = x_recv.clone()

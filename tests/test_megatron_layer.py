@@ -46,7 +46,7 @@ CASES = [
     Case(
         "pipelined_chunks_redispatch", sonic=SonicConfig(backend="torch", num_chunks=2, redispatch_x_in_backward=True)
     ),
-    Case("top4_row_slots", dict(moe_router_topk=4)),  # at EP 2 the second call's rows go in slots
+    Case("top4", dict(moe_router_topk=4)),
     Case("one_expert", route="one_expert"),
     Case("skewed_rank0_only", route="skewed"),
     Case("fp32", dtype=torch.float32, tokens=(16, 4)),

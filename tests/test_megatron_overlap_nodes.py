@@ -70,7 +70,10 @@ def _worker(rank, world, out_dir):
     for tp, ep in ((1, 1), (1, 2), (2, 1)):
         init_model_parallel(ep=ep, tp=tp)
         sp = {"sequence_parallel": True} if tp > 1 else {}
-        for name, over in (("plain", sp), ("shared", {**sp, "moe_shared_expert_intermediate_size": 40})):
+        cases = [("plain", sp), ("shared", {**sp, "moe_shared_expert_intermediate_size": 40})]
+        if ep > 1:  # top-4 of 8 experts fills slots: the second call sends rows and pairs before the plan's sync
+            cases.append(("top4_slots", {**sp, "moe_router_topk": 4}))
+        for name, over in cases:
             # comm_sms: the experts node's GEMMs leave SMs to the other micro-batch's all-to-all (a no-op on CPU;
             # here it checks the plumbing through local_experts and the deferred weight gradients).
             case = Case(name, over, sonic=SonicConfig(backend="torch", comm_sms=8 if name == "shared" else 0))
@@ -89,6 +92,12 @@ def _worker(rank, world, out_dir):
             out_ref.backward(g)
             out, dx = _nodes_forward_backward(lay, x, g)
             errs = {"out": (out - out_ref).abs().max(), "dx": (dx - xr.grad).abs().max()}
+            if name == "top4_slots":  # again, with the slots from the first call's plan: the same results
+                assert lay.mode.plan.row_slots is None and lay.mode._slots is not None
+                lay.zero_grad(set_to_none=True)  # the weight gradients compared below: the second call's
+                out2, dx2 = _nodes_forward_backward(lay, x, g)
+                assert lay.mode.plan.row_slots is not None and lay.mode.plan.pair_slots is not None
+                errs.update(out_again=(out2 - out).abs().max(), dx_again=(dx2 - dx).abs().max())
             errs["router"] = (lay.router.weight.grad - ref.router.weight.grad).abs().max()
             errs["w1"] = (lay.experts.weight1.grad - ref.experts.weight1.grad).abs().max()
             errs["w2"] = (lay.experts.weight2.grad - ref.experts.weight2.grad).abs().max()
@@ -109,7 +118,9 @@ def test_layer_as_overlap_schedule_nodes(tmp_path):
     spawn(_worker, 2, str(tmp_path), timeout=300)
     for r in range(2):
         rep = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert set(rep) == {f"{n}@{p}" for n in ("plain", "shared") for p in ("ep1", "ep2", "tp2ep1")}
+        assert set(rep) == {f"{n}@{p}" for n in ("plain", "shared") for p in ("ep1", "ep2", "tp2ep1")} | {
+            "top4_slots@ep2"
+        }
         for key, errs in rep.items():
             bad = {k: v for k, v in errs.items() if v > 1e-12}
             assert not bad, f"rank {r} {key}: {bad}"

@@ -20,15 +20,16 @@ from _dist import part, part_results, poison_uninitialized_memory, run_distribut
 from sonic_megatron.kernels import FlatRouting, RoutingMetadata, TopKRouting, moe_experts, moe_experts_reference
 from sonic_megatron.token_dispatch import (
     DeferredWeightGrad,
+    EPInputError,
+    Slots,
     combine,
     dispatch,
+    dispatch_before_sync,
     expert_parallel_experts,
-    finish_plan,
     local_experts,
     make_plan,
     start_plan,
 )
-from sonic_megatron.token_dispatch.slots import launch_slot_rows
 from test_kernels_helpers import within_torch_error
 
 # The Triton gather-sum of combine (its GPU path) runs interpreted on CPU; the flag is read when the
@@ -106,19 +107,18 @@ def run_ep(case, rank, P, *, dtype, mode="fused", group=None, **opts):
         out = expert_parallel_experts(
             x, routing, w1, w2, group=group, num_experts=case["E"], backend="torch", wgrad=wgrad, **opts
         )
-    elif mode == "slots":  # the token rows in slots of the largest T + slot_extra rows, launched before the sync
-        C = max(case["T_r"]) + opts.pop("slot_extra")
+    elif mode == "slots":  # rows and pairs in slots of the largest T + slot_extra rows, sent before the sync
+        top_k = routing.indices_TK.shape[1] if isinstance(routing, TopKRouting) else None
+        slots = Slots.for_layer(max(case["T_r"]) + opts.pop("slot_extra"), case["E"] // P, top_k)
         started = start_plan(
-            routing, num_experts=case["E"], group=group, x_TD=x, w1_EGD=w1, w2_EDF=w2, row_slots=C, **opts
+            routing, num_experts=case["E"], group=group, x_TD=x, w1_EGD=w1, w2_EDF=w2, slots=slots, **opts
         )
-        assert started.row_slots == C
-        rows = launch_slot_rows(started, x)
-        plan = finish_plan(started)
-        assert plan.max_tokens == max(case["T_r"])
-        assert plan.row_slots == (C if max(case["T_r"]) <= C else None)  # more tokens than C: exact splits
-        xr, sr = dispatch(x, plan, rows)
-        assert xr.shape[0] == (P * C if plan.row_slots else plan.num_recv_rows)
-        out = combine(local_experts(xr, sr, w1, w2, plan, backend="torch", wgrad=wgrad), plan)
+        xr, ss, early = dispatch_before_sync(x, started.scores_R, started)
+        assert (xr.shape[0], ss.shape[0]) == (P * slots.rows, P * slots.pairs)
+        plan = early.finish()  # the host sync, after the rows and pairs left
+        assert (plan.max_tokens, plan.row_slots, plan.pair_slots) == (max(case["T_r"]), slots.rows, slots.pairs)
+        y = local_experts(xr, plan.pairs_from_slots(ss), w1, w2, plan, backend="torch", wgrad=wgrad)
+        out = combine(y, plan)
     else:
         plan = make_plan(routing, num_experts=case["E"], group=group, x_TD=x, **opts)
         xr, sr = dispatch(x, plan)
@@ -184,7 +184,6 @@ def _equivalence_worker(rank, P):
         "slots_empty_rank": ("empty_rank", {"mode": "slots", "slot_extra": 1}),
         "slots_one_expert_deferred": ("one_expert", {"mode": "slots", "slot_extra": 2, "deferred": True}),
         "slots_flat": ("flat", {"mode": "slots", "slot_extra": 1}),
-        "slots_overflow_exact_splits": ("random", {"mode": "slots", "slot_extra": -1}),
     }
     for name, (kind, opts) in variants.items():
         case = global_case(kind, P, seed=zlib.crc32(name.encode()) % 1000)
@@ -237,6 +236,7 @@ def _ep_worker(rank, P):
         out["host_order"] = {N: part(_host_order_worker, rank, P, N) for N in (1, 2)}
         out["reservation"] = part(_autograd_reservation_worker, rank, P)
     out["equivalence"] = part(_equivalence_worker, rank, P)
+    out["slots_overflow"] = part(_slots_overflow_worker, rank, P)
     out["bytes"] = part(_bytes_worker, rank, P)
     return out
 
@@ -270,7 +270,6 @@ F64_CASES = (
     "slots_empty_rank",
     "slots_one_expert_deferred",
     "slots_flat",
-    "slots_overflow_exact_splits",
 )
 
 
@@ -308,6 +307,36 @@ def test_repeated_runs_bitwise_equal(P):
     for rank, res in enumerate(_equivalence(P)):
         for key in [k for k in res if k.startswith(("bitwise/", "same_bits/"))]:
             assert res[key] is True, f"rank {rank}: {key}"
+
+
+def _slots_overflow_worker(rank, P):
+    """Slots too small for the call (every token to rank 0's experts): too few rows per slot, then too few pairs.
+    The rows and pairs have left before the sync, so the plan raises on every rank; the group stays usable."""
+    case = global_case("skewed", P, seed=5)
+    out = {}
+    for name, extra_rows, top_k in (("rows", -1, 2), ("pairs", 0, 1)):
+        off, T, x, logits, w1, w2 = _leaves(case, rank, P, torch.float64)
+        routing = build_routing(case, logits, off, T)
+        slots = Slots.for_layer(max(case["T_r"]) + extra_rows, case["E"] // P, top_k)
+        started = start_plan(
+            routing, num_experts=case["E"], group=dist.group.WORLD, x_TD=x, w1_EGD=w1, w2_EDF=w2, slots=slots
+        )
+        _, _, early = dispatch_before_sync(x, started.scores_R, started)
+        try:
+            early.finish()
+            out[name] = None
+        except EPInputError as exc:
+            out[name] = str(exc)
+    out["after"] = run_ep(case, rank, P, dtype=torch.float64, mode="stepwise")[0].shape[0]
+    return out
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_slots_too_small_raise_on_every_rank(P):
+    for rank, res in enumerate(_results(P, "slots_overflow")):
+        assert res["rows"] is not None and " rows to rank 0, more than the " in res["rows"], (rank, res)
+        assert res["pairs"] is not None and " pairs to rank 0, more than the " in res["pairs"], (rank, res)
+        assert res["after"] >= 0  # the next plan of the group ran
 
 
 # ---------------------------------------------------------------------------------------------------------

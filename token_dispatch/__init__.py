@@ -23,8 +23,12 @@ Refinements of the team contract (all contract names work as specified):
   * ``make_plan`` = ``finish_plan(start_plan(...))``: ``start_plan`` launches the plan's device work and its sizes
     exchange without waiting, ``finish_plan`` holds the host sync; GPU work queued between the two runs while the
     host waits (Megatron's dispatcher calls them in ``dispatch_preprocess`` and ``token_dispatch``).
-  * ``start_plan(..., row_slots=C)`` + ``slots.launch_slot_rows(started, x_TD)`` before ``finish_plan``: the token
-    rows leave in slots before the sync; ``dispatch(x_TD, plan, rows)`` takes them (``slots.py``).
+  * Dispatch before the host sync, in slots (``slots.py``)::
+
+        started = start_plan(routing, ..., x_TD=x_TD, slots=Slots.for_layer(max_tokens, L, K))
+        x_recv, scores_slots, early = dispatch_before_sync(x_TD, started.scores_R, started)  # no host wait
+        plan = early.finish()                          # the host sync: split sizes, header check
+        y_recv = local_experts(x_recv, plan.pairs_from_slots(scores_slots), w1, w2, plan, options=opts)
   * ``expert_parallel_experts(..., return_plan=True)`` also returns the ``EPPlan``.
   * ``DeferredWeightGrad(sink=...)``: pass as ``EPOptions.wgrad``; ``wgrad.compute()`` runs the deferred dW GEMMs
     and hands each result to the sink (default: ``.grad``).
@@ -36,7 +40,7 @@ Refinements of the team contract (all contract names work as specified):
 Modules: options (``EPOptions``), engine (one micro-batch's forward and backward: plan, dispatch, experts,
 combine), front-ends layer (one autograd node) and stepwise (Megatron's method split); plan
 (``EPPlan``/``make_plan``, decides rounding) from send_side (+ triton_send), sizes (the one counts exchange),
-recv_side (+ triton_recv) and slots (rows sent before the sync); rounding (+ triton_round), exchange (row
+recv_side (+ triton_recv) and slots (rows and pairs sent before the sync); rounding (+ triton_round), exchange (row
 movement), comm (collectives), validation (header), wgrad (deferral), launch_count (host-work counter of
 ``bench layer --count-ops``).
 """
@@ -45,7 +49,8 @@ from .layer import expert_parallel_experts
 from .options import EPOptions
 from .plan import EPPlan, StartedPlan, finish_plan, make_plan, start_plan
 from .rounding import ROUNDING_MODES, RoundingResult, TokenRounding, round_local, round_routing
-from .stepwise import combine, dispatch, local_experts
+from .slots import Slots
+from .stepwise import EarlyDispatch, combine, dispatch, dispatch_before_sync, local_experts
 from .validation import EPInputError
 from .wgrad import DeferredWeightGrad
 
@@ -55,11 +60,14 @@ __all__ = [
     "EPInputError",
     "EPOptions",
     "EPPlan",
+    "EarlyDispatch",
     "RoundingResult",
+    "Slots",
     "StartedPlan",
     "TokenRounding",
     "combine",
     "dispatch",
+    "dispatch_before_sync",
     "expert_parallel_experts",
     "finish_plan",
     "local_experts",

@@ -33,19 +33,21 @@ receiver turns them into routing metadata over its L local experts whose "tokens
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..kernels.routing import FlatRouting, RoutingMetadata, TopKRouting
 from . import validation as V
-from .comm import group_fingerprint, group_rank, group_size
+from .comm import Pending, group_fingerprint, group_rank, group_size
 from .options import EPOptions, parse_options
 from .recv_side import IncomingPairs, launch_pair_all_to_alls, recv_metadata, scores_from_columns
 from .rounding import RoundingResult, TokenRounding, round_routing_padded
 from .send_side import SendSide, build_send_side, flat_routing, triton_send_side
 from .sizes import (
     SizesInFlight,
+    check_slots_fit,
     counts_slot,
     exchange_buffer,
     exchange_outputs,
@@ -54,7 +56,7 @@ from .sizes import (
     receive_header_and_counts,
     split_sizes,
 )
-from .slots import SlotLayout, slot_layout
+from .slots import SlotLayout, Slots, slot_layout
 
 
 @dataclass
@@ -68,7 +70,9 @@ class EPPlan:
     (the fixed summation order of combine).  send_rows / send_pairs / recv_rows / recv_pairs: host
     [N][P] split sizes.  recv_meta (property, built on first use): per chunk, RoutingMetadata over the L
     local experts of the received pairs (rows index that chunk's receive buffer).  recv_scores(): the
-    received pairs' scores.  rounding: the RoundingResult when rounding was applied.
+    received pairs' scores.  rounding: the RoundingResult when rounding was applied.  row_slots / pair_slots:
+    C / Cq when the rows and pairs travelled in slots (``slots.py``; send_rows = recv_rows = [[C] * P]), else
+    None.  max_tokens: the most tokens of any rank (the next call's slots).
     """
 
     group: object
@@ -90,8 +94,9 @@ class EPPlan:
     recv_rows: list[list[int]]
     recv_pairs: list[list[int]]
     rounding: RoundingResult | None = None
-    row_slots: int | None = None  # C: rows in slots of C rows per (source, destination) (``slots.py``), else None
-    max_tokens: int = 0  # the most tokens of any rank in this call (the next call's row slots)
+    row_slots: int | None = None
+    pair_slots: int | None = None
+    max_tokens: int = 0
     _offsets: dict = field(default_factory=dict, repr=False)
     _incoming: IncomingPairs | None = field(default=None, repr=False)  # the pair all-to-alls (recv_side.py)
     _recv_meta: list | None = field(default=None, repr=False)
@@ -117,6 +122,13 @@ class EPPlan:
                 slot_rows=self.row_slots or 0,
             )
         return self._recv_meta
+
+    def pairs_from_slots(self, slotted: torch.Tensor) -> torch.Tensor:
+        """The received pairs' entries [Q, ...] of a tensor in the pair slots' layout [P * Cq, ...] (with autograd:
+        its gradient has zeros at the slots' unused entries)."""
+        Cq = self.pair_slots
+        parts = [slotted[p * Cq : p * Cq + n] for p, n in enumerate(self.recv_pairs[0])]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def recv_scores(self) -> torch.Tensor:
         """The received pairs' scores [Q] (dtype of ``scores_R``), in receive order; a new tensor per call."""
@@ -214,9 +226,11 @@ class StartedPlan:
     side: object
     sizes: SizesInFlight
     error_cause: Exception | None = None  # what raised on this rank: the cause of finish_plan's error here
-    row_slots: int | None = None  # C: the token rows go in slots before the sync (``slots.launch_slot_rows``)
-    slots: SlotLayout | None = None  # this rank's send rows in those slots (None with bad input)
+    slots: Slots | None = None  # the rows and pairs go in slots before the sync (``slots.launch_slots``)
+    row_layout: SlotLayout | None = None  # this rank's send rows in their slots (None with bad input)
+    pair_layout: SlotLayout | None = None  # this rank's send pairs in theirs (None with bad input)
     row_like: tuple | None = None  # (D, dtype, device) of the slotted rows, the same on every rank
+    pair_columns: int = 3  # int32 columns of the slotted pair metadata, the same on every rank
 
 
 @dataclass(frozen=True)
@@ -285,15 +299,15 @@ def start_plan(
     w1_EGD: torch.Tensor | None = None,
     w2_EDF: torch.Tensor | None = None,
     options: EPOptions | None = None,
-    row_slots: int | None = None,
+    slots: Slots | None = None,
     **option_kw,
 ) -> StartedPlan:
     """``make_plan`` up to its host sync: the device work and the collectives are launched, nothing waits.
     ``finish_plan`` completes it; GPU work queued in between runs while the host waits there (Megatron's method
     split calls this in ``dispatch_preprocess`` and ``finish_plan`` in ``token_dispatch``). Arguments as
-    ``make_plan``, and ``row_slots``: C, the same on every rank (the previous plan's ``max_tokens``), to send the
-    token rows in slots of C rows before the sync (``slots.py``; one chunk, x_TD given, P > 1: else ignored).
-    Every rank then calls ``slots.launch_slot_rows`` before ``finish_plan``."""
+    ``make_plan``, and ``slots``: the same on every rank (``Slots.for_layer`` of the previous plan's ``max_tokens``),
+    to send the token rows and pairs in slots before the sync (``slots.py``; one chunk, and x_TD or w1_EGD given).
+    Every rank then calls ``slots.launch_slots`` and passes the received pairs to ``finish_plan``."""
     inputs = PlanInputs(
         routing=routing,
         num_experts=num_experts,
@@ -304,7 +318,7 @@ def start_plan(
         w2_EDF=w2_EDF,
     )
     opts, error = parse_options("make_plan", options, option_kw)
-    return _start_plan(inputs, opts, options_error=error, row_slots=row_slots)
+    return _start_plan(inputs, opts, options_error=error, slots=slots)
 
 
 def plan_layer(inputs: PlanInputs, options: EPOptions, *, options_error: str | None = None) -> EPPlan:
@@ -313,7 +327,7 @@ def plan_layer(inputs: PlanInputs, options: EPOptions, *, options_error: str | N
 
 
 def _start_plan(
-    inputs: PlanInputs, options: EPOptions, *, options_error: str | None = None, row_slots: int | None = None
+    inputs: PlanInputs, options: EPOptions, *, options_error: str | None = None, slots: Slots | None = None
 ) -> StartedPlan:
     """Steps 1-3 and the launch of step 4's exchange: device work and collectives only, no host wait. Every rank
     launches the same collectives, also with bad input: whatever fails on this rank before them (a check, the
@@ -353,12 +367,15 @@ def _start_plan(
             stats = tok_R = exp_R = scores_R = kernels = None
     N = options.num_chunks if error is None else 1
     L = max(num_experts // P, 1) if error is None else 1
-    # Row slots: decided from what every rank shares (the caller's C, the options, P), never from this rank's input.
+    # Slots: the caller's, the same on every rank; whatever is wrong with them rides in the header.
     row_like = _row_like(x_TD, w1_EGD)
-    if row_slots is not None and (not isinstance(row_slots, int) or row_slots < 1):
-        error = error or f"row_slots must be None or an int >= 1, got {row_slots!r}"
-    slotted = isinstance(row_slots, int) and row_slots >= 1 and options.num_chunks == 1 and P > 1 and row_like
-    C = row_slots if slotted else None
+    if slots is not None:
+        if row_like is None:  # the slotted buffers' shape: every rank must know it to join the collectives
+            raise ValueError("start_plan: slots need x_TD or w1_EGD (the token rows' width and dtype)")
+        if not isinstance(slots, Slots) or not all(isinstance(n, int) and n >= 1 for n in (slots.rows, slots.pairs)):
+            raise ValueError(f"start_plan: slots must be None or Slots with rows and pairs >= 1, got {slots!r}")
+        if options.num_chunks != 1:
+            error = error or f"slots need num_chunks = 1, got {options.num_chunks}"
     # 2. rounding: the one place that decides it, on the device (the candidate all-gather rides before step 4)
     rounded = duplicates = None
     if rounding is not None:
@@ -382,7 +399,7 @@ def _start_plan(
         activation=options.activation,
         top_k=-1 if indices is None else (indices.shape[-1] if indices.dim() else 0),
         scores_dtype=_scores(routing).dtype if is_topk or is_flat else None,
-        row_slots=C,
+        slots=slots,
     )
     # 3. send side, before the sync (rounded: padding pairs go nowhere). With the kernels, its counts and index
     # stats land straight in the sizes exchange's buffer, whose other fields come from a cached copy.
@@ -397,7 +414,10 @@ def _start_plan(
                 side = build_send_side(tok_R, exp_R, scores_R, T, L, P, N, topk, padded=rounding is not None)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by the header check
             error, cause, side, exchange = _local_error(exc), exc, None, None
-    slots = None if C is None or side is None else slot_layout(side.send_token_idx_R, side.rows_NP[:P], P, C)
+    row_layout = pair_layout = None
+    if slots is not None and side is not None and error is None:
+        row_layout = slot_layout(side.send_token_idx_R, side.rows_NP[:P], P, slots.rows)
+        pair_layout = slot_layout(_entries(side.order.numel(), device), side.pairs_NP[:P], P, slots.pairs)
     # 4a. sizes: header + counts launched towards the host
     if exchange is None:
         fields["error"] = error is not None
@@ -421,10 +441,19 @@ def _start_plan(
         side=side,
         sizes=sizes,
         error_cause=cause,
-        row_slots=C,
         slots=slots,
-        row_like=row_like if C is not None else None,
+        row_layout=row_layout,
+        pair_layout=pair_layout,
+        row_like=row_like if slots is not None else None,
+        pair_columns=3 if fields["scores_dtype"] != torch.float64 else 4,
     )
+
+
+@functools.lru_cache(maxsize=16)
+def _entries(n: int, device: torch.device) -> torch.Tensor:
+    """0 .. n-1 (int64): the send-order index of every pair, whose slot positions ``slot_layout`` places like rows'
+    tokens; the same for every call of one size, so built once (read only)."""
+    return torch.arange(n, device=device)
 
 
 def _row_like(x_TD, w1_EGD) -> tuple | None:
@@ -466,9 +495,13 @@ def _local_error(exc: Exception) -> str:
     return f"{type(exc).__name__} while planning: {exc}"
 
 
-def finish_plan(started: StartedPlan) -> EPPlan:
-    """Step 4's host sync (the plan's one: the header check raises here on every rank) and step 5."""
+def finish_plan(started: StartedPlan, received_pairs: torch.Tensor | None = None) -> EPPlan:
+    """Step 4's host sync (the plan's one: the header check raises here on every rank) and step 5. A plan started
+    with ``slots`` takes ``received_pairs``, the pair metadata ``slots.launch_slots`` received: its rows and pairs
+    have left already, so counts that do not fit the slots raise here, on every rank."""
     s, P, N = started, started.world_size, started.num_chunks
+    if (s.slots is None) != (received_pairs is None):
+        raise ValueError("finish_plan: received_pairs (from slots.launch_slots) is needed exactly for a slotted plan")
     try:
         counts_host, counts_PW, max_tokens = receive_header_and_counts(
             s.sizes, local_error=s.error, group=s.group, num_experts=s.num_experts
@@ -477,6 +510,8 @@ def finish_plan(started: StartedPlan) -> EPPlan:
         if s.error_cause is None:
             raise
         raise exc from s.error_cause  # this rank's own failure: its traceback stays in the chain
+    if s.slots is not None:
+        check_slots_fit(counts_host, s.slots.rows, s.slots.pairs)
     sizes = split_sizes(counts_host, counts_PW, rank=s.rank, num_chunks=N)
     S = sum(map(sum, sizes.send_rows))
     R = sum(map(sum, sizes.send_pairs))  # every real pair is sent (to this rank too); padding pairs are not
@@ -487,10 +522,9 @@ def finish_plan(started: StartedPlan) -> EPPlan:
     side = s.side
     send_token_idx_S, combine_order_S = side.send_token_idx_R[:S], side.combine_order_R[:S]
     send_rows, recv_rows = sizes.send_rows, sizes.recv_rows
-    row_slots = s.row_slots if s.row_slots is not None and max_tokens <= s.row_slots else None
-    if row_slots is not None:  # the rows travel in slots (``slots.py``); else exact, the slots' rows unused
-        send_rows = recv_rows = [[row_slots] * P]
-        send_token_idx_S, combine_order_S = s.slots.token_idx, s.slots.pos_R[combine_order_S]
+    if s.slots is not None:  # the rows travelled in slots (``slots.py``): the plan reads the slots' layout
+        send_rows = recv_rows = [[s.slots.rows] * P]
+        send_token_idx_S, combine_order_S = s.row_layout.token_idx, s.row_layout.pos_R[combine_order_S]
     plan = EPPlan(
         group=s.group,
         rank=s.rank,
@@ -511,13 +545,18 @@ def finish_plan(started: StartedPlan) -> EPPlan:
         recv_rows=recv_rows,
         recv_pairs=sizes.recv_pairs,
         rounding=rounded,
-        row_slots=row_slots,
+        row_slots=None if s.slots is None else s.slots.rows,
+        pair_slots=None if s.slots is None else s.slots.pairs,
         max_tokens=max_tokens,
     )
-    # 5. receive side: the pair metadata leaves now, not waited for (``plan.recv_meta`` waits on first use)
-    plan._incoming = launch_pair_all_to_alls(
-        side.pair_meta_RC, sizes.send_pairs, sizes.recv_pairs, sizes.counts_PW, group=s.group
-    )
+    # 5. receive side: the pair metadata leaves now, not waited for (``plan.recv_meta`` waits on first use); with
+    # slots it is here: its received entries are compacted
+    if s.slots is not None:
+        plan._incoming = IncomingPairs(Pending(), plan.pairs_from_slots(received_pairs), sizes.counts_PW)
+    else:
+        plan._incoming = launch_pair_all_to_alls(
+            side.pair_meta_RC, sizes.send_pairs, sizes.recv_pairs, sizes.counts_PW, group=s.group
+        )
     return plan
 
 

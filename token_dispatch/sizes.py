@@ -147,6 +147,24 @@ def check_received_pairs(counts_host: list[list[int]]) -> None:
             )
 
 
+def check_slots_fit(counts_host: list[list[int]], rows: int, pairs: int) -> None:
+    """Every rank's one-chunk row and pair counts per destination against the slots (``slots.py``) that carried
+    them before this check: from everyone's counts, so all raise together. A count past its slot means rows or
+    pairs were cut off: the slots come from the previous call, so this call has more tokens on some rank (or
+    more pairs per token) than every earlier one."""
+    P, base = len(counts_host), pair_base(len(counts_host))
+    for src, row in enumerate(counts_host):
+        for dst in range(P):
+            for what, got, cap in (("rows", row[dst], rows), ("pairs", row[base + dst], pairs)):
+                if got > cap:
+                    raise V.EPInputError(
+                        f"expert-parallel dispatch: rank {src} sends {got} {what} to rank {dst}, more than the {cap} "
+                        f"of the slots sent before the plan's sync (sized by the previous call of this layer: its "
+                        f"most tokens per rank and the top-K); every call of a layer with slots needs at most that "
+                        f"many tokens per rank"
+                    )
+
+
 def split_sizes(counts_host: list[list[int]], counts_PW: torch.Tensor, *, rank: int, num_chunks: int) -> SplitSizes:
     """This rank's send split sizes (its own counts) and receive split sizes (everyone's counts for it), [N][P]."""
     P, N, base = len(counts_host), num_chunks, pair_base(len(counts_host))

@@ -1,24 +1,29 @@
-"""Row slots: the forward's token rows leave for the experts BEFORE the plan's host sync.
+"""Slots: the forward's token rows AND pair metadata leave for the experts BEFORE the plan's host sync.
 
-An all-to-all with per-rank split sizes needs those sizes on the host, so with exact splits the token rows can
-leave only after the plan's sync -- which empties the GPU's queue: every launch after it then paces the GPU. With
-row slots, every (source, destination) pair of ranks has a slot of C rows in the send and the receive buffers
-[P * C, D]: a destination receives at most one row per source token, so C = the most tokens any rank has is always
-enough. The all-to-all's splits are then C everywhere, host-known before the sync, and the rows travel while the
-host waits for the sizes; the GPU still has them to move when the sync returns. The receive metadata, the GEMMs and
-the combine read the slots' layout (``EPPlan.row_slots``): row j of slot p is source p's j-th row, rows past a
-slot's count belong to no pair. The rows back (the combine, and both directions in backward) use the same slots.
+An all-to-all with per-rank split sizes needs those sizes on the host, so with exact splits nothing can leave
+before the plan's sync. With slots, every (source, destination) pair of ranks has a slot of C rows and one of Cq
+pairs in the send and receive buffers ([P * C, D] rows, [P * Cq, columns] pair metadata): a destination receives
+at most one row per source token, so C = the most tokens any rank has is always enough, and at most
+min(K, L) pairs per row (top-K routing; L otherwise). The splits are then C and Cq everywhere, host-known before
+the sync, so the whole dispatch runs before it (``launch_slots``) and the host waits for the sizes only when the
+experts need them. Under Megatron's 1F1B EP overlap that moves the wait from the dispatch node into the experts
+node, after the other micro-batch's MLP backward is queued: the GPU has that to run while the host waits.
+
+After the sync the received pairs are compacted (``EPPlan.pairs_from_slots``); the rows stay where they are: the
+receive metadata, the GEMMs and the combine read the slots' layout (row j of slot p is source p's j-th row, rows
+past a slot's count belong to no pair), and the rows back (the combine, and both directions in backward) use the
+same slots.
 
 The price is wire bytes: a slot is sent whole, also where a source sends few of its tokens to a destination.
 ``slots_pay`` decides it once per layer from the routing's shape (with top-K routing a token reaches most ranks
 of a small group, so the slots are nearly full).
 
-C must be the same on every rank before the sync, so it comes from the previous plan of the same layer: every rank
-saw every rank's token count in that plan's header (``EPPlan.max_tokens``). A call where some rank has more tokens
-than C falls back to exact split sizes (every rank sees it in the header), the slots' rows then unused; header field
-21 carries C, so ranks that launched different slots raise together.
+C and Cq must be the same on every rank before the sync, so they come from what every rank shares: the previous
+plan of the same layer (every rank saw every rank's token count in its header, ``EPPlan.max_tokens``) and the
+model's top-K. Header fields 21 and 22 carry them, so ranks that launched different slots raise together; a call
+whose counts do not fit raises on every rank (the rows have left: there is no exact fallback after the sync).
 
-Shape legend: see ``send_side.py`` (T, P, R, S); C rows per slot.
+Shape legend: see ``send_side.py`` (T, P, L, K, R, S); C rows and Cq pairs per slot.
 """
 
 from __future__ import annotations
@@ -45,15 +50,16 @@ def expected_fill(num_experts: int, top_k: int, world_size: int) -> float:
 
 
 def slots_pay(num_experts: int, top_k: int, world_size: int) -> bool:
-    """Row slots for a layer of E experts, top-K routing, P ranks: where their expected fill reaches ``MIN_FILL``."""
+    """Slots for a layer of E experts, top-K routing, P ranks: where their expected fill reaches ``MIN_FILL``."""
     return world_size > 1 and expected_fill(num_experts, top_k, world_size) >= MIN_FILL
 
 
 @dataclass(frozen=True)
 class SlotLayout:
-    """Where this rank's send rows sit in the slotted send buffer [P * C, D]: ``pos_R`` [R], slot row of send
-    row s for s < S (P * C, a row past the buffer, for s >= S and for rows that overflow a slot), and
-    ``token_idx`` [P * C], the token of every slot row (token 0 for rows that carry none: read, never used)."""
+    """Where this rank's send entries (token rows, or pairs) sit in a slotted send buffer of P slots of C entries:
+    ``pos_R`` [R], slot position of entry s for s < S (P * C, past the buffer, for s >= S and for entries that
+    overflow a slot), and ``token_idx`` [P * C], the source index of every slot position (a row's token, a pair's
+    send-order index; 0 for positions that carry none: read, never used)."""
 
     pos_R: torch.Tensor
     token_idx: torch.Tensor
@@ -75,10 +81,10 @@ def slot_layout_torch(send_token_idx_R: torch.Tensor, rows_P: torch.Tensor, worl
 
 
 def slot_layout(send_token_idx_R: torch.Tensor, rows_P: torch.Tensor, world_size: int, slots: int) -> SlotLayout:
-    """The slot of every send row from the send side (``send_side.SendSide``, one chunk): rows ordered by
-    destination, ``rows_P`` per destination, on the device (no host sync). One Triton launch on CUDA
-    (``triton_slots.py``: this runs before the plan's sync, where host time paces the GPU), PyTorch's ops elsewhere;
-    the same int64 results."""
+    """The slot of every send entry from the send side (``send_side.SendSide``, one chunk): entries ordered by
+    destination (rows, or pairs), ``rows_P`` of them per destination, on the device (no host sync). One Triton
+    launch on CUDA (``triton_slots.py``: this runs before the plan's sync, where host time paces the GPU), PyTorch's
+    ops elsewhere; the same int64 results."""
     if send_token_idx_R.is_cuda:
         try:
             from .triton_slots import slot_layout_triton
@@ -90,35 +96,41 @@ def slot_layout(send_token_idx_R: torch.Tensor, rows_P: torch.Tensor, world_size
 
 
 @dataclass(frozen=True)
-class RowsInFlight:
-    """The slotted row all-to-all towards the experts (``launch_slot_rows``): ``recv`` [P * C, D] is valid after
-    ``wait()``."""
+class Slots:
+    """The slot sizes of one plan, the same on every rank: ``rows`` (C) token rows and ``pairs`` (Cq) pairs per
+    (source, destination)."""
 
-    recv: torch.Tensor
-    pending: Pending
+    rows: int
+    pairs: int
 
-    def wait(self) -> torch.Tensor:
-        self.pending.wait()
-        return self.recv
+    @staticmethod
+    def for_layer(max_tokens: int, num_local_experts: int, top_k: int | None) -> Slots:
+        """Slots that always fit a call of at most ``max_tokens`` tokens per rank: a row per token and, per row,
+        ``top_k`` pairs for top-K routing (``None`` for any other routing: at most one pair per local expert)."""
+        per_row = num_local_experts if top_k is None else min(top_k, num_local_experts)
+        return Slots(rows=max_tokens, pairs=max_tokens * per_row)
 
 
-def launch_slot_rows(started, x_TD: torch.Tensor) -> RowsInFlight:
-    """Launch a started plan's (``plan.start_plan`` with ``row_slots``) token rows into their slots; async, before
-    ``finish_plan``. Every rank of the group must call it for such a plan. A rank whose plan failed its checks
-    (``started.error``) or has no tokens sends zero rows of the size every rank expects, so that the collective
-    matches and ``finish_plan`` raises on every rank."""
-    P, C = started.world_size, started.row_slots
+def launch_slots(started, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A started plan's (``plan.start_plan`` with ``slots``) token rows (of ``x_TD``, the tokens the plan checked)
+    and pair metadata into their slots, before ``finish_plan``: (received rows [P * C, D], received pair metadata
+    [P * Cq, columns]), both all-to-alls ordered before the current stream's later work (no host wait). Every rank
+    of the group must call it for such a plan. A rank whose plan failed its checks (``started.error``) or has no
+    tokens sends zeros of the sizes every rank expects, so that the collectives match and ``finish_plan`` raises
+    on every rank."""
+    P, C, Cq = started.world_size, started.slots.rows, started.slots.pairs
     D, dtype, device = started.row_like
-    good = (
-        started.error is None
-        and started.num_tokens > 0
-        and isinstance(x_TD, torch.Tensor)
-        and x_TD.dim() == 2
-        and tuple(x_TD.shape) == (started.num_tokens, D)
-        and x_TD.dtype == dtype
-    )
-    send = x_TD.index_select(0, started.slots.token_idx) if good else torch.zeros(P * C, D, dtype=dtype, device=device)
-    recv = send.new_empty(P * C, D)
-    pending = Pending()
-    pending.add(all_to_all(recv, send, [C] * P, [C] * P, started.group, True))
-    return RowsInFlight(recv, pending)
+    side = started.side
+    good = started.error is None and side is not None and started.num_tokens > 0 and side.pair_meta_RC.shape[0] > 0
+    if good:
+        send_pairs = side.pair_meta_RC.index_select(0, started.pair_layout.token_idx)
+        send_rows = x_TD.index_select(0, started.row_layout.token_idx)
+    else:
+        send_pairs = torch.zeros(P * Cq, started.pair_columns, dtype=torch.int32, device=device)
+        send_rows = torch.zeros(P * C, D, dtype=dtype, device=device)
+    recv_pairs, recv_rows = send_pairs.new_empty(send_pairs.shape), send_rows.new_empty(send_rows.shape)
+    pending = Pending()  # the pairs first: the receive metadata is built from them while the rows may still travel
+    pending.add(all_to_all(recv_pairs, send_pairs, [Cq] * P, [Cq] * P, started.group, True))
+    pending.add(all_to_all(recv_rows, send_rows, [C] * P, [C] * P, started.group, True))
+    pending.wait()
+    return recv_rows, recv_pairs

@@ -20,34 +20,73 @@ from . import engine as G
 from . import exchange as X
 from .comm import Pending
 from .options import EPOptions, resolve_options
-from .plan import EPPlan
-from .slots import RowsInFlight
+from .plan import EPPlan, StartedPlan, finish_plan
+from .recv_side import scores_from_columns
+from .slots import launch_slots
+
+
+def _dispatch_backward(ctx, plan: EPPlan, dx_recv, ds_recv):
+    """dispatch's backward: (dx_TD, ds_R) from the received rows' and pairs' gradients (``ds_recv`` [Q])."""
+    shape, dtype, device = ctx.scores_like
+    dx_TD = ds_R = None
+    if ctx.needs_input_grad[0]:
+        dx_TD = X.sum_rows_per_token(plan, G.all_rows_back(plan, dx_recv.contiguous()))
+    if ctx.needs_input_grad[1]:
+        ds_recv = ds_recv.contiguous()
+        ds_send = ds_recv.new_empty(sum(map(sum, plan.send_pairs)))
+        pending = Pending()
+        for i in range(plan.num_stages):
+            X.pairs_to_sources(plan, X.recv_pairs(plan, ds_recv, i), ds_send, i, pending)
+        pending.wait()
+        ds_R = X.scatter_pair_grads(plan, ds_send, torch.empty(shape, dtype=dtype, device=device))
+    return dx_TD, ds_R
 
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, scores_R, plan, rows):
+    def forward(ctx, x_TD, scores_R, plan):
         ctx.plan, ctx.scores_like = plan, (scores_R.shape, scores_R.dtype, scores_R.device)
-        # with ``rows``, x's rows left in their slots before the plan's sync (slots.launch_slot_rows)
-        recv_UD = rows.wait() if rows is not None else G.all_rows(plan, X.gather_send_rows(plan, x_TD.contiguous()))
+        recv_UD = G.all_rows(plan, X.gather_send_rows(plan, x_TD.contiguous()))
         return recv_UD, plan.recv_scores()  # the scores came with the plan's pair all-to-alls
 
     @staticmethod
     def backward(ctx, dx_recv, ds_recv):
-        plan = ctx.plan
-        shape, dtype, device = ctx.scores_like
-        dx_TD = ds_R = None
-        if ctx.needs_input_grad[0]:
-            dx_TD = X.sum_rows_per_token(plan, G.all_rows_back(plan, dx_recv.contiguous()))
-        if ctx.needs_input_grad[1]:
-            ds_recv = ds_recv.contiguous()
-            ds_send = ds_recv.new_empty(sum(map(sum, plan.send_pairs)))
-            pending = Pending()
-            for i in range(plan.num_stages):
-                X.pairs_to_sources(plan, X.recv_pairs(plan, ds_recv, i), ds_send, i, pending)
-            pending.wait()
-            ds_R = X.scatter_pair_grads(plan, ds_send, torch.empty(shape, dtype=dtype, device=device))
-        return dx_TD, ds_R, None, None
+        return (*_dispatch_backward(ctx, ctx.plan, dx_recv, ds_recv), None)
+
+
+class EarlyDispatch:
+    """A dispatch sent in slots before its plan's host sync (``dispatch_before_sync``). ``finish()`` is that sync:
+    it returns the plan (``finish_plan`` with the received pairs), which the dispatch's backward then uses."""
+
+    def __init__(self, started: StartedPlan) -> None:
+        self.started: StartedPlan | None = started
+        self.received_pairs: torch.Tensor | None = None  # set by the dispatch
+        self.plan: EPPlan | None = None
+
+    def finish(self) -> EPPlan:
+        if self.plan is None:
+            if self.received_pairs is None:
+                raise RuntimeError("EarlyDispatch.finish: the dispatch (dispatch_before_sync) has not run")
+            self.plan = finish_plan(self.started, self.received_pairs)
+            self.started = self.received_pairs = None  # the plan holds what is still needed
+        return self.plan
+
+
+class _DispatchBeforeSync(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, scores_R, early):
+        ctx.early, ctx.scores_like = early, (scores_R.shape, scores_R.dtype, scores_R.device)
+        recv_rows, recv_pairs = launch_slots(early.started, x_TD.contiguous())
+        early.received_pairs = recv_pairs
+        return recv_rows, scores_from_columns(recv_pairs[:, 2:], scores_R.dtype)  # the score bits, slotted
+
+    @staticmethod
+    def backward(ctx, dx_slots, ds_slots):
+        plan = ctx.early.plan
+        if plan is None:
+            raise RuntimeError("dispatch_before_sync: backward before EarlyDispatch.finish() made the plan")
+        ds_recv = plan.pairs_from_slots(ds_slots) if ctx.needs_input_grad[1] else None
+        return (*_dispatch_backward(ctx, plan, dx_slots, ds_recv), None)
 
 
 def _concat(per_chunk: list[torch.Tensor]) -> torch.Tensor:
@@ -106,19 +145,37 @@ class _Combine(torch.autograd.Function):
         return G.all_rows(plan, X.gather_send_rows(plan, grad_TD.contiguous())), None
 
 
-def dispatch(x_TD: torch.Tensor, plan: EPPlan, rows: RowsInFlight | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def dispatch(x_TD: torch.Tensor, plan: EPPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Send each token once to every rank that holds one of its experts, with its pairs' scores.
 
     Returns (x_recv [U, D] rows ordered (chunk, source rank, token), scores_recv [Q] per received pair).
-    Gradients return to ``x_TD`` and to ``plan.scores_R`` (hence to the routing scores). ``rows``: x's rows already
-    on their way in slots (``slots.launch_slot_rows`` of this plan's started plan, with this x); used where the plan
-    kept its slots (``plan.row_slots``), else waited for and dropped (every rank decides alike)."""
+    Gradients return to ``x_TD`` and to ``plan.scores_R`` (hence to the routing scores)."""
     if x_TD.dim() != 2 or x_TD.shape[0] != plan.num_tokens:  # holds for the x the plan checked (module docstring)
         raise ValueError(f"dispatch: x must be [T = {plan.num_tokens}, D] (the plan's tokens), got {tuple(x_TD.shape)}")
-    if rows is not None and plan.row_slots is None:  # some rank had more tokens than the slots: exact splits
-        rows.wait()
-        rows = None
-    return _Dispatch.apply(x_TD, plan.scores_R, plan, rows)
+    return _Dispatch.apply(x_TD, plan.scores_R, plan)
+
+
+def dispatch_before_sync(
+    x_TD: torch.Tensor, scores_R: torch.Tensor, started: StartedPlan
+) -> tuple[torch.Tensor, torch.Tensor, EarlyDispatch]:
+    """``dispatch`` before the plan's host sync, for a plan started with ``slots`` (``slots.py``): the rows and
+    pairs leave in their slots now, and the host waits for the sizes only in ``early.finish()``.
+
+    Returns (x_recv [P * C, D] in the slots' layout, which ``local_experts`` takes as is; scores in the pair slots'
+    layout [P * Cq], which ``plan.pairs_from_slots`` turns into ``local_experts``' scores_recv; ``early``).
+    ``scores_R``: the started plan's ``scores_R`` (or a copy of it); gradients return to it and to ``x_TD``.
+    Every rank of the group calls it (with bad input too: ``early.finish()`` then raises on every rank)."""
+    if started.slots is None:
+        raise ValueError("dispatch_before_sync: the plan was started without slots (start_plan(..., slots=...))")
+    D, dtype, _ = started.row_like
+    if started.error is None and (tuple(x_TD.shape) != (started.num_tokens, D) or x_TD.dtype != dtype):
+        raise ValueError(  # holds for the x the plan checked (module docstring)
+            f"dispatch_before_sync: x must be [T = {started.num_tokens}, D = {D}] of {dtype} (the plan's tokens), got "
+            f"{tuple(x_TD.shape)} of {x_TD.dtype}"
+        )
+    early = EarlyDispatch(started)
+    x_recv, scores_slots = _DispatchBeforeSync.apply(x_TD, scores_R, early)
+    return x_recv, scores_slots, early
 
 
 def local_experts(

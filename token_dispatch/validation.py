@@ -21,8 +21,8 @@ Header fields (int64):
       token * 2^32 + expert (-1: none)
    20 routing scores dtype code (-1 unknown): their bits ride in the pair all-to-all (two int32 columns for
       float64, one otherwise) and their gradients come back in that dtype, so it must be equal on every rank
-   21 row slots (``slots.py``: rows per (source, destination) slot of an all-to-all launched before this
-      header arrived; 0 without): every rank must have launched the same one
+   21, 22 slots (``slots.py``: rows / pairs per (source, destination) slot of the all-to-alls launched before this
+      header arrived; 0 without): every rank must have launched the same ones
 Fields 10-12, 18 and 19 are computed on the device and read back in the same host copy as the split sizes.
 """
 
@@ -35,7 +35,7 @@ from ..kernels.interface import FLOAT_DTYPES, resolve_backend
 from ..kernels.routing import INDEX_DTYPES, FlatRouting, TopKRouting
 from .comm import all_gather_strings
 
-HEADER_LEN = 22
+HEADER_LEN = 23
 _INDEX_STAT_FIELDS = (10, 11, 12, 19)  # where ``index_stats``' values go
 MIN_EXPERT_FIELD, DUPLICATE_FIELD = 10, 19  # min expert (max at + 1), a row naming an expert twice
 _KEY_SHIFT = 32  # field 19's key: token << 32 | expert (indices < 2^31: int32 or in-range int64)
@@ -61,6 +61,7 @@ _SAME_ON_ALL_RANKS = (
     (16, "activation"),
     (20, "routing scores dtype"),
     (21, "row slots (the token rows' all-to-all before the plan's sync)"),
+    (22, "pair slots (the pairs' all-to-all before the plan's sync)"),
 )
 
 
@@ -265,7 +266,7 @@ def header_host(
     activation: str | None,
     top_k: int,
     scores_dtype: torch.dtype | None,
-    row_slots: int | None = None,
+    slots=None,
     device_fields: dict[int, int] | None = None,
 ) -> list[int]:
     """The header's fields as host ints: the device-computed ones (10-12, 18, 19) as given in ``device_fields``
@@ -287,7 +288,9 @@ def header_host(
         16: -1 if activation is None else (ACTIVATIONS.index(activation) if activation in ACTIVATIONS else 99),
         17: top_k,
         20: dtype_code(scores_dtype),
-        21: row_slots or 0,  # 0, not -1 ("unknown"): a rank without slots must differ from one with
+        # 0, not -1 ("unknown"): a rank without slots must differ from one with
+        21: slots.rows if slots is not None else 0,
+        22: slots.pairs if slots is not None else 0,
     }
     host = [-1] * HEADER_LEN
     for i, v in vals.items():
