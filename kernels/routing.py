@@ -105,6 +105,10 @@ class RoutingMetadata:
     pairs_per_token: int = 0
     # M when every expert's row count is a multiple of M (token rounding to the tile M); 0: any counts
     rows_multiple: int = 0
+    # The pairs a token with any has, for kernels that block over a token's pairs (0: the mean over all T tokens).
+    # Where many "tokens" have none (expert parallelism's slotted receive rows) the mean over all would set another
+    # blocking than the same pairs in a compact layout, and with it another summation order.
+    pairs_per_token_hint: int = 0
     # the int32 arrays, in the order of ``tensors()``
     TENSOR_NAMES: ClassVar[tuple[str, ...]] = (
         "expert_offsets",

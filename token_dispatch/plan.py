@@ -29,6 +29,8 @@ receiver turns them into routing metadata over its L local experts whose "tokens
   5. receive side (``recv_side.py``): the pair-metadata all-to-alls (one per chunk) are launched and NOT waited
      for; the caller launches its row all-to-alls and only then touches ``plan.recv_meta`` /
      ``plan.recv_scores()``, which wait for them and build the receive metadata while the rows travel.
+     With ``slots`` (``slots.py``) the rows and pairs left before the sync (``stepwise.dispatch_before_sync``):
+     the received pairs are compacted here instead.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ class EPPlan:
     rounding: RoundingResult | None = None
     row_slots: int | None = None
     pair_slots: int | None = None
+    rows_with_pairs: int = 0  # with slots: the received rows that carry pairs (U of exact split sizes)
     max_tokens: int = 0
     _offsets: dict = field(default_factory=dict, repr=False)
     _incoming: IncomingPairs | None = field(default=None, repr=False)  # the pair all-to-alls (recv_side.py)
@@ -120,6 +123,7 @@ class EPPlan:
                 num_recv_rows=self.num_recv_rows,
                 pair_base=pair_base(self.world_size),
                 slot_rows=self.row_slots or 0,
+                rows_with_pairs=self.rows_with_pairs,
             )
         return self._recv_meta
 
@@ -547,6 +551,7 @@ def finish_plan(started: StartedPlan, received_pairs: torch.Tensor | None = None
         rounding=rounded,
         row_slots=None if s.slots is None else s.slots.rows,
         pair_slots=None if s.slots is None else s.slots.pairs,
+        rows_with_pairs=sum(map(sum, sizes.recv_rows)),
         max_tokens=max_tokens,
     )
     # 5. receive side: the pair metadata leaves now, not waited for (``plan.recv_meta`` waits on first use); with

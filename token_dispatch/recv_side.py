@@ -9,6 +9,8 @@ from the device copy of the plan's counts exchange (``sizes.py``).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..kernels.routing import RoutingMetadata, compute_metadata_torch, run_offsets
@@ -115,9 +117,11 @@ def recv_metadata(
     num_recv_rows: int,
     pair_base: int,
     slot_rows: int = 0,
+    rows_with_pairs: int = 0,
 ) -> list[RoutingMetadata]:
     """Per stage (a chunk), RoutingMetadata of the stage's received pairs over the L local experts (rows index
-    that stage's slice of the receive buffer; ``slot_rows``: C for rows in slots, ``slots.py``, else 0). Built
+    that stage's slice of the receive buffer; ``slot_rows``: C for rows in slots, ``slots.py``, else 0, and then
+    ``rows_with_pairs`` the rows that carry pairs, whose mean count the kernels block by as for compact rows). Built
     ONCE for all stages -- experts (chunk, local expert), N*L of them, so stage i's expert-sorted rows are exactly
     its pair range -- then shifted per stage (5 int32 ops a stage). ``stages``: per stage, its pairs [q0, q1)
     and rows [u0, u1) in the receive buffers. ``pair_base``: the column of the first pair count in
@@ -135,6 +139,8 @@ def recv_metadata(
         slot_rows=slot_rows,
     )
     meta = _metadata_builder(incoming.counts_PW.device)(row_Q, key_Q, token_offsets, len(stages) * L)
+    if slot_rows:  # one stage
+        return [replace(meta, pairs_per_token_hint=max(1, meta.num_rows // max(rows_with_pairs, 1)))]
     if len(stages) == 1:
         return [meta]
     return [

@@ -214,6 +214,8 @@ def _gemm_dgated(F: int, A, B, preact, dx_out, postact_out, colvec_scale, activa
 
 
 def _pairs_per_token(meta: RoutingMetadata) -> int:
+    if meta.pairs_per_token_hint:
+        return meta.pairs_per_token_hint
     T = meta.token_offsets.numel() - 1
     return max(1, meta.num_rows // max(T, 1))
 
