@@ -371,7 +371,8 @@ def _start_plan(
             stats = tok_R = exp_R = scores_R = kernels = None
     N = options.num_chunks if error is None else 1
     L = max(num_experts // P, 1) if error is None else 1
-    # Slots: the caller's, the same on every rank; whatever is wrong with them rides in the header.
+    # Slots: the caller's, the same on every rank (a malformed one raises here on every rank alike, before any
+    # collective); a combination they cannot serve rides in the header.
     row_like = _row_like(x_TD, w1_EGD)
     if slots is not None:
         if row_like is None:  # the slotted buffers' shape: every rank must know it to join the collectives

@@ -1,8 +1,10 @@
 """Step-wise front-end for Megatron's method split: ``dispatch`` -> ``local_experts`` -> ``combine``, each its own
 autograd node linked only through tensors, built from the engine's pieces (``engine.py``). Shape legend: see
 ``send_side.py`` and ``plan.py``; one buffer holds all chunks in receive order, so the step-wise form runs every
-chunk's all-to-all at once (no pipelining: that is ``expert_parallel_experts``' job). Weight gradients of
-``local_experts`` run right after dX is computed; ``options.wgrad`` defers them to ``DeferredWeightGrad.compute()``.
+chunk's all-to-all at once (no pipelining: that is ``expert_parallel_experts``' job). ``dispatch_before_sync`` is
+``dispatch`` for a plan started with slots (``slots.py``): it runs before the plan's host sync, which then waits in
+``EarlyDispatch.finish()``. Weight gradients of ``local_experts`` run right after dX is computed; ``options.wgrad``
+defers them to ``DeferredWeightGrad.compute()``.
 
 Errors: every step runs between collectives, so nothing here may raise on one rank alone. The plan checks x, the
 routing, the weights and the experts backend on every rank together when ``make_plan`` is given ``x_TD``,
