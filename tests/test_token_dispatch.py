@@ -234,6 +234,7 @@ def _ep_worker(rank, P):
     out = {}
     if P == 2:
         out["host_order"] = {N: part(_host_order_worker, rank, P, N) for N in (1, 2)}
+        out["slots_host_order"] = part(_slots_host_order_worker, rank, P)
         out["reservation"] = part(_autograd_reservation_worker, rank, P)
     out["equivalence"] = part(_equivalence_worker, rank, P)
     out["slots_overflow"] = part(_slots_overflow_worker, rank, P)
@@ -540,6 +541,33 @@ def test_forward_host_order(N):
         assert kinds[: first_sync + 1] == ["collective", "sync"], kinds
         assert kinds[first_sync + 1 : first_sync + 1 + 2 * N] == ["collective"] * N + ["row_a2a"] * N, kinds
         assert summary["collectives"] == 1 + 3 * N, summary
+
+
+def _slots_host_order_worker(rank, P):
+    from sonic_megatron.token_dispatch.launch_count import LaunchCounter
+
+    case = global_case("random", P, seed=5, E=8)
+    off, T, x, logits, w1, w2 = _leaves(case, rank, P, torch.float32)
+    routing = build_routing(case, logits, off, T)
+    slots = Slots.for_layer(max(case["T_r"]), 8 // P, routing.indices_TK.shape[1])
+    kw = dict(num_experts=8, group=dist.group.WORLD, x_TD=x, w1_EGD=w1, w2_EDF=w2, slots=slots)
+    with LaunchCounter() as lc:
+        started = start_plan(routing, **kw)
+        xr, ss, early = dispatch_before_sync(x, started.scores_R, started)
+        plan = early.finish()
+        y = local_experts(xr, plan.pairs_from_slots(ss), w1, w2, plan, backend="torch")
+        combine(y, plan)
+    return [k for k, _, _ in lc.events if k != "launch"]
+
+
+def test_slots_leave_before_the_sync():
+    """With slots the sizes all-gather, the pairs' and the rows' all-to-alls are all launched before the plan's
+    host sync, and nothing is exchanged after it until the combine sends the rows back (the torch backend of the
+    experts syncs on its own, after the plan's sync)."""
+    for kinds in _results(2, "slots_host_order"):
+        first_sync = kinds.index("sync")
+        assert kinds[:first_sync] == ["collective", "collective", "row_a2a"], kinds
+        assert [k for k in kinds[first_sync:] if k != "sync"] == ["row_a2a"], kinds
 
 
 def _recorded_wgrad_fn(calls, g1, g2):
