@@ -36,7 +36,15 @@ from .kernels.activations import is_gated
 from .kernels.routing import Routing
 from .layer_options import LayerOptions
 from .megatron_compat import default_pg_collection, expert_rng_context
-from .token_dispatch import DeferredWeightGrad, EPPlan, TokenRounding, expert_parallel_experts, local_experts
+from .token_dispatch import (
+    DeferredWeightGrad,
+    EarlyDispatch,
+    EPPlan,
+    TokenRounding,
+    expert_parallel_experts,
+    local_experts,
+    local_experts_before_sync,
+)
 from .wgrad import WeightGradSink, add_to_main_grads
 
 
@@ -170,6 +178,21 @@ class SonicExperts(MegatronModule):
             self.weight1,
             self.weight2,
             plan,
+            options=self.ep_options,
+            comm_sms=self.options.sonic.comm_sms if beside_all_to_all else 0,
+        )
+
+    def compute_received_before_sync(
+        self, x_recv: torch.Tensor, scores_slots: torch.Tensor, early: EarlyDispatch, *, beside_all_to_all: bool
+    ) -> torch.Tensor:
+        """``compute_received`` on ``dispatch_before_sync``'s slots, launched before the plan's host sync (token
+        dispatch's ``local_experts_before_sync``): ``early.plan`` is the plan afterwards."""
+        return local_experts_before_sync(
+            x_recv,
+            scores_slots,
+            self.weight1,
+            self.weight2,
+            early,
             options=self.ep_options,
             comm_sms=self.options.sonic.comm_sms if beside_all_to_all else 0,
         )

@@ -196,18 +196,22 @@ class ExpertParallelMode(DispatchMode):
         """This forward's plan, and the next call's slots from it."""
         self.plan = plan
         fixed_tokens = not getattr(self.config, "variable_seq_lengths", False)
-        slotted = self._slots_pay and self.freed_by_1f1b_schedule and fixed_tokens
+        slotted = self._slots_pay and fixed_tokens
         self._slots = Slots.for_layer(plan.max_tokens, *self._slot_shape) if slotted and plan.max_tokens else None
 
     def compute(self, x_recv, scores_recv):
-        if self._early is not None:  # the host sync: the split sizes (the rows and pairs are here already)
-            early, self._early = self._early, None
-            self._set_plan(early.finish())
-            scores_recv = self.plan.pairs_from_slots(scores_recv)
         beside_all_to_all = self.freed_by_1f1b_schedule  # another micro-batch's all-to-all runs beside this node
         if beside_all_to_all:  # local_experts caches the received rows for backward
             x_recv = x_recv.clone()
-        return self.experts.compute_received(x_recv, scores_recv, self.plan, beside_all_to_all=beside_all_to_all)
+        if self._early is None:
+            return self.experts.compute_received(x_recv, scores_recv, self.plan, beside_all_to_all=beside_all_to_all)
+        # the GEMMs before the host sync, which waits for the split sizes with them queued
+        early, self._early = self._early, None
+        y_recv = self.experts.compute_received_before_sync(
+            x_recv, scores_recv, early, beside_all_to_all=beside_all_to_all
+        )
+        self._set_plan(early.plan)
+        return y_recv
 
     def combine(self, y_recv):
         return combine(y_recv, self.plan)

@@ -27,6 +27,7 @@ from sonic_megatron.token_dispatch import (
     dispatch_before_sync,
     expert_parallel_experts,
     local_experts,
+    local_experts_before_sync,
     make_plan,
     start_plan,
 )
@@ -107,7 +108,8 @@ def run_ep(case, rank, P, *, dtype, mode="fused", group=None, **opts):
         out = expert_parallel_experts(
             x, routing, w1, w2, group=group, num_experts=case["E"], backend="torch", wgrad=wgrad, **opts
         )
-    elif mode == "slots":  # rows and pairs in slots of the largest T + slot_extra rows, sent before the sync
+    elif mode in ("slots", "sync_late"):  # rows and pairs in slots of the largest T + slot_extra rows, before the sync
+        before_sync = mode == "sync_late"
         top_k = routing.indices_TK.shape[1] if isinstance(routing, TopKRouting) else None
         slots = Slots.for_layer(max(case["T_r"]) + opts.pop("slot_extra"), case["E"] // P, top_k)
         started = start_plan(
@@ -115,9 +117,13 @@ def run_ep(case, rank, P, *, dtype, mode="fused", group=None, **opts):
         )
         xr, ss, early = dispatch_before_sync(x, started.scores_R, started)
         assert (xr.shape[0], ss.shape[0]) == (P * slots.rows, P * slots.pairs)
-        plan = early.finish()  # the host sync, after the rows and pairs left
+        if before_sync:  # the experts too before the sync, over the bound of the pairs
+            y = local_experts_before_sync(xr, ss, w1, w2, early, backend="torch", wgrad=wgrad)
+            plan = early.plan
+        else:
+            plan = early.finish()  # the host sync, after the rows and pairs left
+            y = local_experts(xr, plan.pairs_from_slots(ss), w1, w2, plan, backend="torch", wgrad=wgrad)
         assert (plan.max_tokens, plan.row_slots, plan.pair_slots) == (max(case["T_r"]), slots.rows, slots.pairs)
-        y = local_experts(xr, plan.pairs_from_slots(ss), w1, w2, plan, backend="torch", wgrad=wgrad)
         out = combine(y, plan)
     else:
         plan = make_plan(routing, num_experts=case["E"], group=group, x_TD=x, **opts)
@@ -184,6 +190,11 @@ def _equivalence_worker(rank, P):
         "slots_empty_rank": ("empty_rank", {"mode": "slots", "slot_extra": 1}),
         "slots_one_expert_deferred": ("one_expert", {"mode": "slots", "slot_extra": 2, "deferred": True}),
         "slots_flat": ("flat", {"mode": "slots", "slot_extra": 1}),
+        "sync_late": ("random", {"mode": "sync_late", "slot_extra": 2}),
+        "sync_late_skewed_full": ("skewed", {"mode": "sync_late", "slot_extra": 0}),
+        "sync_late_empty_rank_deferred": ("empty_rank", {"mode": "sync_late", "slot_extra": 1, "deferred": True}),
+        "sync_late_one_expert": ("one_expert", {"mode": "sync_late", "slot_extra": 3}),
+        "sync_late_flat": ("flat", {"mode": "sync_late", "slot_extra": 1}),
     }
     for name, (kind, opts) in variants.items():
         case = global_case(kind, P, seed=zlib.crc32(name.encode()) % 1000)
@@ -225,6 +236,8 @@ def _equivalence_worker(rank, P):
     base = run_ep(case, rank, P, dtype=torch.bfloat16, mode="stepwise")
     other = run_ep(case, rank, P, dtype=torch.bfloat16, mode="slots", slot_extra=5)
     res["same_bits/slots"] = all(torch.equal(u, v) for u, v in zip(base, other, strict=True))
+    other = run_ep(case, rank, P, dtype=torch.bfloat16, mode="sync_late", slot_extra=4)
+    res["same_bits/sync_late"] = all(torch.equal(u, v) for u, v in zip(base, other, strict=True))
     return res
 
 
@@ -271,6 +284,11 @@ F64_CASES = (
     "slots_empty_rank",
     "slots_one_expert_deferred",
     "slots_flat",
+    "sync_late",
+    "sync_late_skewed_full",
+    "sync_late_empty_rank_deferred",
+    "sync_late_one_expert",
+    "sync_late_flat",
 )
 
 
@@ -301,6 +319,7 @@ def test_repeated_runs_bitwise_equal(P):
         "bitwise/stepwise",
         "bitwise/slots",
         "same_bits/slots",
+        "same_bits/sync_late",
         "same_bits/redispatch",
         "same_bits/deferred",
         "same_bits/comm_sms",

@@ -29,6 +29,8 @@ Refinements of the team contract (all contract names work as specified):
         x_recv, scores_slots, early = dispatch_before_sync(x_TD, started.scores_R, started)  # no host wait
         plan = early.finish()                          # the host sync: split sizes, header check
         y_recv = local_experts(x_recv, plan.pairs_from_slots(scores_slots), w1, w2, plan, options=opts)
+        # or the experts' GEMMs before the sync, which then waits with them queued (early.plan afterwards):
+        y_recv = local_experts_before_sync(x_recv, scores_slots, w1, w2, early, options=opts)
   * ``expert_parallel_experts(..., return_plan=True)`` also returns the ``EPPlan``.
   * ``DeferredWeightGrad(sink=...)``: pass as ``EPOptions.wgrad``; ``wgrad.compute()`` runs the deferred dW GEMMs
     and hands each result to the sink (default: ``.grad``).
@@ -50,7 +52,7 @@ from .options import EPOptions
 from .plan import EPPlan, StartedPlan, finish_plan, make_plan, start_plan
 from .rounding import ROUNDING_MODES, RoundingResult, TokenRounding, round_local, round_routing
 from .slots import Slots
-from .stepwise import EarlyDispatch, combine, dispatch, dispatch_before_sync, local_experts
+from .stepwise import EarlyDispatch, combine, dispatch, dispatch_before_sync, local_experts, local_experts_before_sync
 from .validation import EPInputError
 from .wgrad import DeferredWeightGrad
 
@@ -71,6 +73,7 @@ __all__ = [
     "expert_parallel_experts",
     "finish_plan",
     "local_experts",
+    "local_experts_before_sync",
     "make_plan",
     "round_local",
     "round_routing",

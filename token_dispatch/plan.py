@@ -35,7 +35,6 @@ receiver turns them into routing metadata over its L local experts whose "tokens
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -44,7 +43,7 @@ from ..kernels.routing import FlatRouting, RoutingMetadata, TopKRouting
 from . import validation as V
 from .comm import Pending, group_fingerprint, group_rank, group_size
 from .options import EPOptions, parse_options
-from .recv_side import IncomingPairs, launch_pair_all_to_alls, recv_metadata, scores_from_columns
+from .recv_side import IncomingPairs, _entries, launch_pair_all_to_alls, recv_metadata, scores_from_columns
 from .rounding import RoundingResult, TokenRounding, round_routing_padded
 from .send_side import SendSide, build_send_side, flat_routing, triton_send_side
 from .sizes import (
@@ -58,7 +57,7 @@ from .sizes import (
     receive_header_and_counts,
     split_sizes,
 )
-from .slots import SlotLayout, Slots, slot_layout
+from .slots import SlotLayout, Slots, expected_fill, slot_layout
 
 
 @dataclass
@@ -99,6 +98,7 @@ class EPPlan:
     row_slots: int | None = None
     pair_slots: int | None = None
     rows_with_pairs: int = 0  # with slots: the received rows that carry pairs (U of exact split sizes)
+    pairs_per_row_hint: int = 0  # top-K: the pairs a received row has on average under uniform routing
     max_tokens: int = 0
     _offsets: dict = field(default_factory=dict, repr=False)
     _incoming: IncomingPairs | None = field(default=None, repr=False)  # the pair all-to-alls (recv_side.py)
@@ -124,6 +124,7 @@ class EPPlan:
                 pair_base=pair_base(self.world_size),
                 slot_rows=self.row_slots or 0,
                 rows_with_pairs=self.rows_with_pairs,
+                pairs_per_row_hint=self.pairs_per_row_hint,
             )
         return self._recv_meta
 
@@ -235,6 +236,7 @@ class StartedPlan:
     pair_layout: SlotLayout | None = None  # this rank's send pairs in theirs (None with bad input)
     row_like: tuple | None = None  # (D, dtype, device) of the slotted rows, the same on every rank
     pair_columns: int = 3  # int32 columns of the slotted pair metadata, the same on every rank
+    pairs_per_row_hint: int = 0  # top-K: the pairs a received row has on average under uniform routing
 
 
 @dataclass(frozen=True)
@@ -451,14 +453,19 @@ def _start_plan(
         pair_layout=pair_layout,
         row_like=row_like if slots is not None else None,
         pair_columns=3 if fields["scores_dtype"] != torch.float64 else 4,
+        pairs_per_row_hint=_pairs_per_row(num_experts, fields["top_k"], P),
     )
 
 
-@functools.lru_cache(maxsize=16)
-def _entries(n: int, device: torch.device) -> torch.Tensor:
-    """0 .. n-1 (int64): the send-order index of every pair, whose slot positions ``slot_layout`` places like rows'
-    tokens; the same for every call of one size, so built once (read only)."""
-    return torch.arange(n, device=device)
+def _pairs_per_row(num_experts, top_k: int, world_size: int) -> int:
+    """Top-K routing (``top_k`` > 0): the pairs a received row carries on average under uniform routing, K / P of a
+    token's pairs over the share of tokens that reach a rank (``slots.expected_fill``), at least 1; 0 otherwise.
+    The kernels block a row's pairs by it (``RoutingMetadata.pairs_per_token_hint``): from the routing's shape
+    alone, so every layout of the same pairs (exact split sizes, slots, slots before the sync) sums them alike."""
+    if top_k <= 0 or not isinstance(num_experts, int) or num_experts < 1 or num_experts % world_size:
+        return 0
+    fill = expected_fill(num_experts, top_k, world_size)
+    return max(1, round(top_k / world_size / fill)) if fill > 0 else 0
 
 
 def _row_like(x_TD, w1_EGD) -> tuple | None:
@@ -553,6 +560,7 @@ def finish_plan(started: StartedPlan, received_pairs: torch.Tensor | None = None
         row_slots=None if s.slots is None else s.slots.rows,
         pair_slots=None if s.slots is None else s.slots.pairs,
         rows_with_pairs=sum(map(sum, sizes.recv_rows)),
+        pairs_per_row_hint=s.pairs_per_row_hint,
         max_tokens=max_tokens,
     )
     # 5. receive side: the pair metadata leaves now, not waited for (``plan.recv_meta`` waits on first use); with

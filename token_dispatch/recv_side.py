@@ -9,6 +9,7 @@ from the device copy of the plan's counts exchange (``sizes.py``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -118,10 +119,12 @@ def recv_metadata(
     pair_base: int,
     slot_rows: int = 0,
     rows_with_pairs: int = 0,
+    pairs_per_row_hint: int = 0,
 ) -> list[RoutingMetadata]:
     """Per stage (a chunk), RoutingMetadata of the stage's received pairs over the L local experts (rows index
     that stage's slice of the receive buffer; ``slot_rows``: C for rows in slots, ``slots.py``, else 0, and then
-    ``rows_with_pairs`` the rows that carry pairs, whose mean count the kernels block by as for compact rows). Built
+    ``rows_with_pairs`` the rows that carry pairs, whose mean count the kernels block by as for compact rows, unless
+    ``pairs_per_row_hint`` (top-K: from the routing's shape) sets it). Built
     ONCE for all stages -- experts (chunk, local expert), N*L of them, so stage i's expert-sorted rows are exactly
     its pair range -- then shifted per stage (5 int32 ops a stage). ``stages``: per stage, its pairs [q0, q1)
     and rows [u0, u1) in the receive buffers. ``pair_base``: the column of the first pair count in
@@ -139,7 +142,9 @@ def recv_metadata(
         slot_rows=slot_rows,
     )
     meta = _metadata_builder(incoming.counts_PW.device)(row_Q, key_Q, token_offsets, len(stages) * L)
-    if slot_rows:  # one stage
+    if pairs_per_row_hint:
+        meta = replace(meta, pairs_per_token_hint=pairs_per_row_hint)
+    elif slot_rows:  # one stage
         return [replace(meta, pairs_per_token_hint=max(1, meta.num_rows // max(rows_with_pairs, 1)))]
     if len(stages) == 1:
         return [meta]
@@ -150,6 +155,65 @@ def recv_metadata(
             s_scatter_idx=meta.s_scatter_idx[q0:q1] - q0,
             s_reverse_scatter_idx=meta.s_reverse_scatter_idx[q0:q1] - q0,
             token_offsets=meta.token_offsets[u0 : u1 + 1] - q0,
+            pairs_per_token_hint=meta.pairs_per_token_hint,
         )
         for g, (q0, q1, u0, u1) in enumerate(stages)
     ]
+
+
+def slotted_recv_metadata(
+    received_pairs: torch.Tensor,
+    counts_PW: torch.Tensor,
+    *,
+    rank: int,
+    world_size: int,
+    num_local_experts: int,
+    row_slots: int,
+    pair_slots: int,
+    pair_base: int,
+    pairs_per_row_hint: int,
+) -> tuple[RoutingMetadata, torch.Tensor]:
+    """Before the plan's host sync: the receive metadata of pairs that arrived in slots (``slots.py``, one chunk),
+    over Q_max = P * Cq entries, since only the device knows how many arrived. The received pairs come first, in
+    the order exact split sizes give them (so the first Q entries of every array are those of ``recv_metadata``),
+    then placeholders of an extra expert L past the local ones, which no GEMM reads (``expert_offsets`` has L + 1
+    entries). ``counts_PW``: the all-gathered counts on the device. Returns (the metadata, ``slot_of`` [Q_max]: the
+    pair slot of each entry, P * Cq for the placeholders). A peer's bad pair (a row or an expert out of range: the
+    plan's header check raises for it after these kernels) is clamped into range, so nothing here reads or writes
+    out of bounds."""
+    from .slots import slot_layout
+
+    P, L, C, Cq, device = world_size, num_local_experts, row_slots, pair_slots, received_pairs.device
+    Q_max, U = P * Cq, P * C
+    arrived_P = counts_PW[:, pair_base + rank]  # pairs each source sent here
+    slot_of = slot_layout(_entries(Q_max, device), arrived_P.contiguous(), P, Cq).pos_R
+    real = slot_of < Q_max
+    source = torch.div(slot_of, Cq, rounding_mode="floor").clamp(max=P - 1)
+    meta_QC = received_pairs.index_select(0, slot_of.clamp(max=Q_max - 1))
+    row_Q = torch.where(real, meta_QC[:, 0].long().clamp(0, C - 1) + source * C, U)
+    key_Q = torch.where(real, meta_QC[:, 1].long().clamp(0, L), L)
+    # pairs per row by counting (the same offsets as run_offsets for the real rows, which ascend; never out of
+    # range for a bad peer's rows): off[u] = the real pairs of rows < u
+    per_row = torch.zeros(U + 2, dtype=torch.int64, device=device)
+    per_row.index_add_(0, row_Q + 1, torch.ones_like(row_Q))
+    token_offsets = torch.cumsum(per_row[: U + 1], 0)
+    meta = _metadata_builder(device)(row_Q.clamp(max=max(U - 1, 0)).int(), key_Q.int(), token_offsets.int(), L + 1)
+    meta = replace(meta, expert_offsets=meta.expert_offsets[: L + 1], pairs_per_token_hint=pairs_per_row_hint)
+    return meta, slot_of
+
+
+def first_entries(meta: RoutingMetadata, n: int) -> RoutingMetadata:
+    """``slotted_recv_metadata``'s metadata cut to its first ``n`` entries (the real pairs, once the host knows
+    how many): the receive metadata of exact split sizes."""
+    return replace(
+        meta,
+        x_gather_idx=meta.x_gather_idx[:n],
+        s_scatter_idx=meta.s_scatter_idx[:n],
+        s_reverse_scatter_idx=meta.s_reverse_scatter_idx[:n],
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _entries(n: int, device: torch.device) -> torch.Tensor:
+    """0 .. n-1 (int64), the same for every call of one size, so built once (read only)."""
+    return torch.arange(n, device=device)

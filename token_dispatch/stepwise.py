@@ -20,10 +20,12 @@ import torch
 
 from . import engine as G
 from . import exchange as X
+from . import validation as V
 from .comm import Pending
 from .options import EPOptions, resolve_options
 from .plan import EPPlan, StartedPlan, finish_plan
-from .recv_side import scores_from_columns
+from .recv_side import first_entries, scores_from_columns, slotted_recv_metadata
+from .sizes import pair_base
 from .slots import launch_slots
 
 
@@ -117,24 +119,71 @@ class _LocalExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_UD):
         x_UD, s_Q, w1, w2, *hs = ctx.saved_tensors
-        plan, ops, o = ctx.plan, ctx.ops, ctx.options
-        dy_UD = dy_UD.contiguous()
-        dxs, dss = [], []
-        want_w = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
-        dws = None
-        for i in range(plan.num_stages):
-            dO, x, meta = X.recv_rows(plan, dy_UD, i), X.recv_rows(plan, x_UD, i), plan.recv_meta[i]
-            s_i = X.recv_pairs(plan, s_Q, i)
-            with ops.reserve_sms(o.comm_sms, gemms=1):
-                dx, ds, (ap, dH) = ops.backward_data(dO, x, hs[i], s_i, w1, w2, meta, o.activation)
-            dxs.append(dx)
-            dss.append(ds)
-            if want_w:
-                dws = G.weight_grads(ops, dO, x, ap, dH, meta, w1, w2, o.wgrad, dws, plan.num_stages, o.comm_sms)
-        dw1, dw2 = G.in_weight_dtype(dws, w1, w2)
-        dx_UD = _concat(dxs)
-        ds_Q = _concat(dss).to(s_Q.dtype)
-        return dx_UD, ds_Q, dw1, dw2, None, None, None
+        return (*_experts_backward(ctx, dy_UD, x_UD, s_Q, w1, w2, hs), None, None, None)
+
+
+def _experts_backward(ctx, dy_UD, x_UD, s_Q, w1, w2, hs):
+    """local_experts' backward: (dx_UD, ds_Q, dw1, dw2), the weight gradients None where deferred."""
+    plan, ops, o = ctx.plan, ctx.ops, ctx.options
+    dy_UD = dy_UD.contiguous()
+    dxs, dss = [], []
+    want_w = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
+    dws = None
+    for i in range(plan.num_stages):
+        dO, x, meta = X.recv_rows(plan, dy_UD, i), X.recv_rows(plan, x_UD, i), plan.recv_meta[i]
+        s_i = X.recv_pairs(plan, s_Q, i)
+        with ops.reserve_sms(o.comm_sms, gemms=1):
+            dx, ds, (ap, dH) = ops.backward_data(dO, x, hs[i], s_i, w1, w2, meta, o.activation)
+        dxs.append(dx)
+        dss.append(ds)
+        if want_w:
+            dws = G.weight_grads(ops, dO, x, ap, dH, meta, w1, w2, o.wgrad, dws, plan.num_stages, o.comm_sms)
+    dw1, dw2 = G.in_weight_dtype(dws, w1, w2)
+    return _concat(dxs), _concat(dss).to(s_Q.dtype), dw1, dw2
+
+
+class _LocalExpertsBeforeSync(torch.autograd.Function):
+    """``_LocalExperts`` whose GEMMs are launched before the plan's host sync: over the receive metadata of the
+    slotted pairs with the device's counts (``recv_side.slotted_recv_metadata``), then the sync
+    (``early.finish()``), then what backward keeps is cut to the real pairs: the same tensors as ``_LocalExperts``."""
+
+    @staticmethod
+    def forward(ctx, x_UD, s_slots, w1, w2, early, ops, options):
+        store_h = any(ctx.needs_input_grad[:4])
+        started = early.started
+        sizes, slots = started.sizes, started.slots
+        if sizes.ready is not None:  # the counts come from the exchange's stream: the GPU waits, the host does not
+            torch.cuda.current_stream(x_UD.device).wait_event(sizes.ready)
+        meta, slot_of = slotted_recv_metadata(
+            early.received_pairs,
+            sizes.device[:, V.HEADER_LEN :],
+            rank=started.rank,
+            world_size=started.world_size,
+            num_local_experts=started.num_local_experts,
+            row_slots=slots.rows,
+            pair_slots=slots.pairs,
+            pair_base=pair_base(started.world_size),
+            pairs_per_row_hint=started.pairs_per_row_hint,
+        )
+        s_all = s_slots.index_select(0, slot_of.clamp(max=s_slots.shape[0] - 1))
+        with ops.reserve_sms(options.comm_sms, gemms=1):  # see local_experts
+            o, h = ops.forward(x_UD, s_all, w1, w2, meta, options.activation, store_h)
+        plan = early.finish()  # the host sync, with the GEMMs queued
+        Q = plan.num_recv_pairs
+        plan._recv_meta = [first_entries(meta, Q)]
+        if h is not None and h.shape[0] > Q:
+            h = h[:Q].clone()  # the real pairs' rows come first; the bound's rows are not kept
+        ctx.plan, ctx.ops, ctx.options = plan, ops, options
+        ctx.slot_shape = s_slots.shape
+        ctx.save_for_backward(x_UD, s_all[:Q], w1, w2, slot_of[:Q], *([h] if h is not None else []))
+        return o
+
+    @staticmethod
+    def backward(ctx, dy_UD):
+        x_UD, s_Q, w1, w2, slot_of, *hs = ctx.saved_tensors
+        dx_UD, ds_Q, dw1, dw2 = _experts_backward(ctx, dy_UD, x_UD, s_Q, w1, w2, hs)
+        ds_slots = ds_Q.new_zeros(ctx.slot_shape).index_copy_(0, slot_of, ds_Q)
+        return dx_UD, ds_slots, dw1, dw2, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -215,6 +264,36 @@ def local_experts(
         raise ValueError(f"local_experts: w1.shape[0] must be {plan.num_local_experts}, got {w1_EGD.shape[0]}")
     ops = G.experts_ops(opts, x_recv.device)  # resolved, its argument rules checked, by the plan given the weights
     return _LocalExperts.apply(x_recv, scores_recv, w1_EGD, w2_EDF, plan, ops, opts)
+
+
+def local_experts_before_sync(
+    x_recv: torch.Tensor,
+    scores_slots: torch.Tensor,
+    w1_EGD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    early: EarlyDispatch,
+    *,
+    options: EPOptions | None = None,
+    **option_kw,
+) -> torch.Tensor:
+    """``local_experts`` on ``dispatch_before_sync``'s outputs, its GEMMs launched before the plan's host sync:
+    they run over an upper bound of the pairs (the device's counts say how many are real; buffers sized by the
+    bound cost no GEMM tiles), then ``early.finish()`` waits for the sizes with the GEMMs already queued, and only
+    the real pairs' H is kept. Returns y_recv [P * C, D]; ``early.plan`` is the plan from then on (``combine``).
+    Options as ``local_experts``. Top-K routing sums a row's pairs as exact split sizes do (same bits); other
+    routings block them by the bound."""
+    opts = resolve_options("local_experts_before_sync", options, option_kw)
+    started = early.started
+    if started is None or early.received_pairs is None:
+        raise ValueError("local_experts_before_sync: needs the EarlyDispatch of dispatch_before_sync, unfinished")
+    P, slots = started.world_size, started.slots
+    if tuple(x_recv.shape[:1]) != (P * slots.rows,) or tuple(scores_slots.shape) != (P * slots.pairs,):
+        raise ValueError(
+            f"local_experts_before_sync: x_recv must have {P * slots.rows} rows and scores_slots "
+            f"{P * slots.pairs} entries (the slots'), got {tuple(x_recv.shape)} and {tuple(scores_slots.shape)}"
+        )
+    ops = G.experts_ops(opts, x_recv.device)
+    return _LocalExpertsBeforeSync.apply(x_recv, scores_slots, w1_EGD, w2_EDF, early, ops, opts)
 
 
 def combine(y_recv: torch.Tensor, plan: EPPlan) -> torch.Tensor:
