@@ -130,11 +130,12 @@ class ExpertParallelMode(DispatchMode):
     rank's experts on the received rows (pre-reduced per row), combine sends the rows back and sums them per
     token in a fixed order.
 
-    Under Megatron's 1F1B EP overlap, where slots pay for the layer's routing shape (``token_dispatch/slots.py``)
-    and every micro-batch has the same tokens (``variable_seq_lengths`` off), dispatch sends the rows and pairs in
-    slots sized by the previous call before the plan's host sync, and compute waits for the sizes: the schedule
-    has queued the other micro-batch's MLP backward by then, so the GPU runs it while the host waits (the first
-    call, and calls with token rounding, use exact split sizes)."""
+    Where slots pay for the layer's routing shape (``token_dispatch/slots.py``) and every micro-batch has the same
+    tokens (``variable_seq_lengths`` off), a training call after the layer's first sends the rows and pairs in slots
+    sized by the previous call before the plan's host sync, and compute launches the experts' GEMMs before it too:
+    the host waits for the split sizes with those GEMMs queued (under Megatron's 1F1B EP overlap also behind the
+    other micro-batch's MLP backward), so the sync no longer empties the GPU's queue. Calls with token rounding or
+    without gradients use exact split sizes."""
 
     _started: StartedPlan | None = None  # between preprocess and dispatch
     _early: EarlyDispatch | None = None  # between dispatch and compute, with slots
