@@ -23,6 +23,7 @@ CASES = {
     "rows_past_a_slot": dict(rows=[2, 9, 3], C=6, extra=2),
     "nothing_sent": dict(rows=[0, 0], C=3, extra=4),
     "several_programs": dict(rows=[700, 1300, 5, 900], C=1400, extra=1500),
+    "one_rank_strided_count": dict(rows=[5], C=8, extra=3, count_stride=7),
 }
 
 
@@ -37,7 +38,8 @@ def test_slot_layout_kernel_matches_torch(case):
     # send rows: per destination ascending tokens; entries past S hold the sentinel T (as the send side's)
     toks = [torch.randperm(T, generator=g)[:n].sort().values for n in rows]
     send_token_idx_R = torch.cat([*toks, torch.full((extra,), T)]).to(DEVICE)
-    rows_P = torch.tensor(rows, dtype=torch.int64).to(DEVICE)
+    stride = CASES[case].get("count_stride", 1)  # a column of the counts matrix, as the receive side passes it
+    rows_P = torch.tensor([[n] * stride for n in rows], dtype=torch.int64).to(DEVICE)[:, 0]
     P = len(rows)
     want_pos, want_tok = slot_layout_torch(send_token_idx_R, rows_P, P, C)
     det, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory

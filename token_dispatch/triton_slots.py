@@ -44,8 +44,9 @@ def _slot_layout_kernel(tok_ptr, rows_ptr, R, P, C, pos_ptr, slot_tok_ptr, BLOCK
 
 def slot_layout_triton(send_token_idx_R: torch.Tensor, rows_P: torch.Tensor, world_size: int, slots: int):
     """(pos_R, token_idx) of ``slots.slot_layout_torch`` in one launch (``send_token_idx_R`` int64 [R], ``rows_P``
-    int64 [P] with unit stride; both on the device)."""
-    if send_token_idx_R.dtype != torch.int64 or rows_P.dtype != torch.int64 or rows_P.stride(0) != 1:
+    int64 [P] with unit stride, or one count; both on the device)."""
+    unit = rows_P.numel() < 2 or rows_P.stride(0) == 1  # one count: any stride (a column of one rank's counts)
+    if send_token_idx_R.dtype != torch.int64 or rows_P.dtype != torch.int64 or not unit:
         raise ValueError(
             f"slot_layout_triton: send_token_idx_R and rows_P must be int64 (rows_P with unit stride), got "
             f"{send_token_idx_R.dtype} and {rows_P.dtype} stride {rows_P.stride()}"
