@@ -41,9 +41,16 @@ import torch
 
 from ..kernels.routing import FlatRouting, RoutingMetadata, TopKRouting
 from . import validation as V
-from .comm import Pending, group_fingerprint, group_rank, group_size
+from .comm import group_fingerprint, group_rank, group_size
 from .options import EPOptions, parse_options
-from .recv_side import IncomingPairs, _entries, launch_pair_all_to_alls, recv_metadata, scores_from_columns
+from .recv_side import (
+    IncomingPairs,
+    SlottedPairs,
+    _entries,
+    launch_pair_all_to_alls,
+    recv_metadata,
+    scores_from_columns,
+)
 from .rounding import RoundingResult, TokenRounding, round_routing_padded
 from .send_side import SendSide, build_send_side, flat_routing, triton_send_side
 from .sizes import (
@@ -101,7 +108,7 @@ class EPPlan:
     pairs_per_row_hint: int = 0  # top-K: the pairs a received row has on average under uniform routing
     max_tokens: int = 0
     _offsets: dict = field(default_factory=dict, repr=False)
-    _incoming: IncomingPairs | None = field(default=None, repr=False)  # the pair all-to-alls (recv_side.py)
+    _incoming: IncomingPairs | SlottedPairs | None = field(default=None, repr=False)  # the pairs (recv_side.py)
     _recv_meta: list | None = field(default=None, repr=False)
 
     # --- the receive side: pair metadata and scores arrive by the plan's (async) all-to-alls -------------
@@ -566,7 +573,7 @@ def finish_plan(started: StartedPlan, received_pairs: torch.Tensor | None = None
     # 5. receive side: the pair metadata leaves now, not waited for (``plan.recv_meta`` waits on first use); with
     # slots it is here: its received entries are compacted
     if s.slots is not None:
-        plan._incoming = IncomingPairs(Pending(), plan.pairs_from_slots(received_pairs), sizes.counts_PW)
+        plan._incoming = SlottedPairs(lambda: plan.pairs_from_slots(received_pairs), sizes.counts_PW)
     else:
         plan._incoming = launch_pair_all_to_alls(
             side.pair_meta_RC, sizes.send_pairs, sizes.recv_pairs, sizes.counts_PW, group=s.group

@@ -37,6 +37,20 @@ class IncomingPairs:
         return self._meta_QC
 
 
+class SlottedPairs:
+    """``IncomingPairs``' interface over pairs that arrived in slots before the plan's sync (``slots.py``): compacted
+    by ``compact`` on first use (the receive metadata of exact sizes needs them; the experts launched before the
+    sync never ask)."""
+
+    def __init__(self, compact, counts_PW: torch.Tensor) -> None:
+        self._compact, self._meta_QC, self.counts_PW = compact, None, counts_PW
+
+    def meta_QC(self) -> torch.Tensor:
+        if self._meta_QC is None:
+            self._meta_QC, self._compact = self._compact(), None
+        return self._meta_QC
+
+
 def launch_pair_all_to_alls(
     pair_meta_RC: torch.Tensor, send_pairs: list[list[int]], recv_pairs: list[list[int]], counts_PW: torch.Tensor, group
 ) -> IncomingPairs:

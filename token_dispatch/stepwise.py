@@ -72,7 +72,7 @@ class EarlyDispatch:
             if self.received_pairs is None:
                 raise RuntimeError("EarlyDispatch.finish: the dispatch (dispatch_before_sync) has not run")
             self.plan = finish_plan(self.started, self.received_pairs)
-            if self.received_pairs.is_cuda:  # the dispatch's stream made it; the compaction above reads it here
+            if self.received_pairs.is_cuda:  # the dispatch's stream made it; the experts' stream reads it
                 self.received_pairs.record_stream(torch.cuda.current_stream(self.received_pairs.device))
             self.started = self.received_pairs = None  # the plan holds what is still needed
         return self.plan
