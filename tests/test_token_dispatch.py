@@ -330,8 +330,9 @@ def test_repeated_runs_bitwise_equal(P):
 
 
 def _slots_overflow_worker(rank, P):
-    """Slots too small for the call (every token to rank 0's experts): too few rows per slot, then too few pairs.
-    The rows and pairs have left before the sync, so the plan raises on every rank; the group stays usable."""
+    """Slots too small for the call (every token to rank 0's experts): too few rows per slot, then too few pairs;
+    then a bad expert index on one rank with the experts launched before the sync. The rows and pairs (and the
+    GEMMs) have run before the sync, so the plan raises there on every rank; the group stays usable."""
     case = global_case("skewed", P, seed=5)
     out = {}
     for name, extra_rows, top_k in (("rows", -1, 2), ("pairs", 0, 1)):
@@ -347,15 +348,31 @@ def _slots_overflow_worker(rank, P):
             out[name] = None
         except EPInputError as exc:
             out[name] = str(exc)
+    # a bad expert index on rank 0, the experts launched before the sync: every rank raises at the sync
+    off, T, x, logits, w1, w2 = _leaves(case, rank, P, torch.float64)
+    routing = build_routing(case, logits, off, T)
+    if rank == 0:
+        routing = TopKRouting(routing.scores_TK, torch.full_like(routing.indices_TK, case["E"]))
+    slots = Slots.for_layer(max(case["T_r"]), case["E"] // P, 2)
+    started = start_plan(
+        routing, num_experts=case["E"], group=dist.group.WORLD, x_TD=x, w1_EGD=w1, w2_EDF=w2, slots=slots
+    )
+    xr, ss, early = dispatch_before_sync(x, started.scores_R, started)
+    try:
+        local_experts_before_sync(xr, ss, w1, w2, early, backend="torch")
+        out["bad_expert"] = None
+    except EPInputError as exc:
+        out["bad_expert"] = str(exc)
     out["after"] = run_ep(case, rank, P, dtype=torch.float64, mode="stepwise")[0].shape[0]
     return out
 
 
 @pytest.mark.parametrize("P", [2, 4])
-def test_slots_too_small_raise_on_every_rank(P):
+def test_slots_errors_raise_on_every_rank(P):
     for rank, res in enumerate(_results(P, "slots_overflow")):
         assert res["rows"] is not None and " rows to rank 0, more than the " in res["rows"], (rank, res)
         assert res["pairs"] is not None and " pairs to rank 0, more than the " in res["pairs"], (rank, res)
+        assert res["bad_expert"] is not None and "rank 0" in res["bad_expert"], (rank, res)
         assert res["after"] >= 0  # the next plan of the group ran
 
 
