@@ -46,6 +46,7 @@ from .token_dispatch import (
     start_plan,
 )
 from .token_dispatch.slots import slots_pay
+from .token_dispatch.validation import SlotsTooSmall
 
 if TYPE_CHECKING:
     from .experts import SonicExperts
@@ -208,9 +209,16 @@ class ExpertParallelMode(DispatchMode):
             return self.experts.compute_received(x_recv, scores_recv, self.plan, beside_all_to_all=beside_all_to_all)
         # the GEMMs before the host sync, which waits for the split sizes with them queued
         early, self._early = self._early, None
-        y_recv = self.experts.compute_received_before_sync(
-            x_recv, scores_recv, early, beside_all_to_all=beside_all_to_all
-        )
+        try:
+            y_recv = self.experts.compute_received_before_sync(
+                x_recv, scores_recv, early, beside_all_to_all=beside_all_to_all
+            )
+        except SlotsTooSmall as exc:  # raised on every rank alike
+            self._slots = None  # the next call plans with exact split sizes, and learns new slots
+            raise SlotsTooSmall(
+                f"{exc}. Megatron's variable_seq_lengths (--variable-seq-lengths) plans every call of the MoE layers "
+                f"with exact split sizes instead"
+            ) from exc
         self._set_plan(early.plan)
         return y_recv
 

@@ -15,6 +15,7 @@ import os
 
 import pytest
 import torch
+from sonic_megatron.token_dispatch.validation import SlotsTooSmall
 
 from sonic_megatron.compare import Case
 from sonic_megatron.config import SonicConfig
@@ -98,6 +99,19 @@ def _worker(rank, world, out_dir):
                 out2, dx2 = _nodes_forward_backward(lay, x, g)
                 assert lay.mode.plan.row_slots is not None and lay.mode.plan.pair_slots is not None
                 errs.update(out_again=(out2 - out).abs().max(), dx_again=(dx2 - dx).abs().max())
+                # more tokens than the slots of the previous call: every rank raises, naming Megatron's way out,
+                # and the next call plans with exact split sizes
+                xl = torch.randn(12, 2, 32, generator=gen, dtype=torch.float64)
+                try:
+                    _nodes_forward_backward(lay, xl, xl)
+                    report["grown_tokens_error"] = None
+                except SlotsTooSmall as exc:
+                    report["grown_tokens_error"] = str(exc)
+                lay.zero_grad(set_to_none=True)
+                _nodes_forward_backward(lay, xl, xl)
+                report["grown_tokens_then"] = lay.mode.plan.row_slots
+                lay.zero_grad(set_to_none=True)
+                _nodes_forward_backward(lay, x, g)
             errs["router"] = (lay.router.weight.grad - ref.router.weight.grad).abs().max()
             errs["w1"] = (lay.experts.weight1.grad - ref.experts.weight1.grad).abs().max()
             errs["w2"] = (lay.experts.weight2.grad - ref.experts.weight2.grad).abs().max()
@@ -118,6 +132,9 @@ def test_layer_as_overlap_schedule_nodes(tmp_path):
     spawn(_worker, 2, str(tmp_path), timeout=300)
     for r in range(2):
         rep = json.loads((tmp_path / f"rank{r}.json").read_text())
+        grown, then = rep.pop("grown_tokens_error"), rep.pop("grown_tokens_then")
+        assert grown is not None and "--variable-seq-lengths" in grown, grown
+        assert then is None  # exact split sizes
         assert set(rep) == {f"{n}@{p}" for n in ("plain", "shared") for p in ("ep1", "ep2", "tp2ep1")} | {
             "top4_slots@ep2"
         }

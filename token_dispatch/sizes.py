@@ -157,7 +157,7 @@ def check_slots_fit(counts_host: list[list[int]], rows: int, pairs: int) -> None
         for dst in range(P):
             for what, got, cap in (("rows", row[dst], rows), ("pairs", row[base + dst], pairs)):
                 if got > cap:
-                    raise V.EPInputError(
+                    raise V.SlotsTooSmall(
                         f"expert-parallel dispatch: rank {src} sends {got} {what} to rank {dst}, more than the {cap} "
                         f"of the slots sent before the plan's sync (sized by the previous call of this layer: its "
                         f"most tokens per rank and the top-K); every call of a layer with slots needs at most that "

@@ -80,6 +80,10 @@ class EPInputError(ValueError):
     """Bad input to expert-parallel dispatch (raised on every rank of the group)."""
 
 
+class SlotsTooSmall(EPInputError):
+    """A call's counts past the slots its rows and pairs left in before the plan's sync (``slots.py``)."""
+
+
 def fail(arg: str, expected: str, got: object) -> None:
     raise EPInputError(f"{arg} must be {expected}, got {got}")
 
