@@ -46,7 +46,7 @@ from .options import EPOptions, parse_options
 from .recv_side import (
     IncomingPairs,
     SlottedPairs,
-    _entries,
+    entry_index,
     launch_pair_all_to_alls,
     recv_metadata,
     scores_from_columns,
@@ -431,7 +431,7 @@ def _start_plan(
     row_layout = pair_layout = None
     if slots is not None and side is not None and error is None:
         row_layout = slot_layout(side.send_token_idx_R, side.rows_NP[:P], P, slots.rows)
-        pair_layout = slot_layout(_entries(side.order.numel(), device), side.pairs_NP[:P], P, slots.pairs)
+        pair_layout = slot_layout(entry_index(side.order.numel(), device), side.pairs_NP[:P], P, slots.pairs)
     # 4a. sizes: header + counts launched towards the host
     if exchange is None:
         fields["error"] = error is not None

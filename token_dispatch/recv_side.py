@@ -16,6 +16,7 @@ import torch
 
 from ..kernels.routing import RoutingMetadata, compute_metadata_torch, run_offsets
 from .comm import Pending, all_to_all
+from .slots import slot_layout
 
 
 def scores_from_columns(cols_QC: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -195,12 +196,10 @@ def slotted_recv_metadata(
     pair slot of each entry, P * Cq for the placeholders). A peer's bad pair (a row or an expert out of range: the
     plan's header check raises for it after these kernels) is clamped into range, so nothing here reads or writes
     out of bounds."""
-    from .slots import slot_layout
-
     P, L, C, Cq, device = world_size, num_local_experts, row_slots, pair_slots, received_pairs.device
     Q_max, U = P * Cq, P * C
     arrived_P = counts_PW[:, pair_base + rank]  # pairs each source sent here
-    slot_of = slot_layout(_entries(Q_max, device), arrived_P.contiguous(), P, Cq).pos_R
+    slot_of = slot_layout(entry_index(Q_max, device), arrived_P.contiguous(), P, Cq).pos_R
     real = slot_of < Q_max
     source = torch.div(slot_of, Cq, rounding_mode="floor").clamp(max=P - 1)
     meta_QC = received_pairs.index_select(0, slot_of.clamp(max=Q_max - 1))
@@ -228,6 +227,6 @@ def first_entries(meta: RoutingMetadata, n: int) -> RoutingMetadata:
 
 
 @functools.lru_cache(maxsize=16)
-def _entries(n: int, device: torch.device) -> torch.Tensor:
+def entry_index(n: int, device: torch.device) -> torch.Tensor:
     """0 .. n-1 (int64), the same for every call of one size, so built once (read only)."""
     return torch.arange(n, device=device)

@@ -5,14 +5,14 @@ before the plan's sync. With slots, every (source, destination) pair of ranks ha
 pairs in the send and receive buffers ([P * C, D] rows, [P * Cq, columns] pair metadata): a destination receives
 at most one row per source token, so C = the most tokens any rank has is always enough, and at most
 min(K, L) pairs per row (top-K routing; L otherwise). The splits are then C and Cq everywhere, host-known before
-the sync, so the whole dispatch runs before it (``launch_slots``) and the host waits for the sizes only when the
-experts need them. Under Megatron's 1F1B EP overlap that moves the wait from the dispatch node into the experts
-node, after the other micro-batch's MLP backward is queued: the GPU has that to run while the host waits.
-
-After the sync the received pairs are compacted (``EPPlan.pairs_from_slots``); the rows stay where they are: the
-receive metadata, the GEMMs and the combine read the slots' layout (row j of slot p is source p's j-th row, rows
-past a slot's count belong to no pair), and the rows back (the combine, and both directions in backward) use the
-same slots.
+the sync, so the whole dispatch runs before it (``launch_slots``), and so can the experts' GEMMs: their receive
+metadata comes from the slotted pairs and the device's copy of the counts, over the bound P * Cq of the pairs
+(``recv_side.slotted_recv_metadata``, ``stepwise.local_experts_before_sync``). The host then waits for the sizes
+with those GEMMs queued (under Megatron's 1F1B EP overlap also behind the other micro-batch's MLP backward)
+instead of with an empty GPU queue. Where the receive metadata is built after the sync instead, the received pairs
+are compacted first (``EPPlan.pairs_from_slots``). The rows stay where they are: the receive metadata, the GEMMs
+and the combine read the slots' layout (row j of slot p is source p's j-th row, rows past a slot's count belong to
+no pair), and the rows back (the combine, and both directions in backward) use the same slots.
 
 The price is wire bytes: a slot is sent whole, also where a source sends few of its tokens to a destination.
 ``slots_pay`` decides it once per layer from the routing's shape (with top-K routing a token reaches most ranks
