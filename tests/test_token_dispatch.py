@@ -606,6 +606,22 @@ def test_slots_leave_before_the_sync():
         assert [k for k in kinds[first_sync:] if k != "sync"] == ["row_a2a"], kinds
 
 
+def test_slot_sizes_and_row_blocking():
+    """Slots fit a row per token and min(K, L) pairs per row (L without top-K); the pairs a received row carries on
+    average under uniform top-K routing (the kernels' blocking of a row's pairs): K at one rank, K / P over the share
+    of tokens that reach a rank otherwise, nothing without top-K."""
+    from sonic_megatron.token_dispatch.plan import _pairs_per_row
+    from sonic_megatron.token_dispatch.slots import expected_fill, slots_pay
+
+    assert Slots.for_layer(8192, 32, 8) == Slots(rows=8192, pairs=8192 * 8)
+    assert Slots.for_layer(100, 4, 8) == Slots(rows=100, pairs=400)
+    assert Slots.for_layer(100, 4, None) == Slots(rows=100, pairs=400)
+    assert _pairs_per_row(128, 8, 1) == 8
+    assert abs(expected_fill(128, 8, 4) - 0.9073) < 1e-3 and _pairs_per_row(128, 8, 4) == 2
+    assert _pairs_per_row(128, -1, 4) == 0 and _pairs_per_row(130, 8, 4) == 0
+    assert slots_pay(128, 8, 4) and not slots_pay(128, 8, 8) and not slots_pay(128, 8, 1)
+
+
 def _recorded_wgrad_fn(calls, g1, g2):
     """A recorded weight-gradient closure with ``backward_weights``' contract: returns (g1, g2), or adds them
     into ``out`` (stores them with ``accumulate=False``); logs whether it got ``out``."""
