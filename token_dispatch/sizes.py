@@ -59,6 +59,11 @@ class SizesInFlight:
     host: torch.Tensor
     ready: torch.cuda.Event | None
 
+    @property
+    def counts_PW(self) -> torch.Tensor:
+        """Everyone's counts [P, W] on the device (the header cut off)."""
+        return self.device[:, V.HEADER_LEN :]
+
 
 def launch_exchange(exchange: torch.Tensor, group) -> SizesInFlight:
     """Launch the all-gather of every rank's header + counts [H + W] and its copy to the host; no host wait.
@@ -128,7 +133,7 @@ def receive_header_and_counts(
     V.check_headers([g[: V.HEADER_LEN] for g in gathered], local_error, group, num_experts)
     counts_host = [g[V.HEADER_LEN :] for g in gathered]
     check_received_pairs(counts_host)
-    return counts_host, sizes.device[:, V.HEADER_LEN :], max(g[1] for g in gathered)
+    return counts_host, sizes.counts_PW, max(g[1] for g in gathered)
 
 
 def check_received_pairs(counts_host: list[list[int]]) -> None:

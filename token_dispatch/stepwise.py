@@ -20,7 +20,6 @@ import torch
 
 from . import engine as G
 from . import exchange as X
-from . import validation as V
 from .comm import Pending
 from .options import EPOptions, resolve_options
 from .plan import EPPlan, StartedPlan, finish_plan
@@ -156,7 +155,7 @@ class _LocalExpertsBeforeSync(torch.autograd.Function):
             torch.cuda.current_stream(x_UD.device).wait_event(sizes.ready)
         meta, slot_of = slotted_recv_metadata(
             early.received_pairs,
-            sizes.device[:, V.HEADER_LEN :],
+            sizes.counts_PW,
             rank=started.rank,
             world_size=started.world_size,
             num_local_experts=started.num_local_experts,
