@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.weight_grad_pairs import WeightGradWork
 from . import engine as G
 from . import exchange as X
 from .comm import Pending
@@ -76,7 +77,7 @@ class _LocalExperts(torch.autograd.Function):
         dy_UD = dy_UD.contiguous()
         dxs, dss = [], []
         want_w = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
-        dws = None
+        dws, works = None, []
         for i in range(plan.num_stages):
             dO, x, meta = X.recv_rows(plan, dy_UD, i), X.recv_rows(plan, x_UD, i), plan.recv_meta[i]
             s_i = X.recv_pairs(plan, s_Q, i)
@@ -84,9 +85,13 @@ class _LocalExperts(torch.autograd.Function):
                 dx, ds, (ap, dH) = ops.backward_data(dO, x, hs[i], s_i, w1, w2, meta, o.activation)
             dxs.append(dx)
             dss.append(ds)
-            if want_w:
+            if want_w and o.weight_grad_hook is not None:
+                works.append(WeightGradWork(ops, dO, x, ap, dH, meta))
+            elif want_w:
                 dws = G.weight_grads(ops, dO, x, ap, dH, meta, w1, w2, o.wgrad, dws, plan.num_stages, o.comm_sms)
         dw1, dw2 = G.in_weight_dtype(dws, w1, w2)
+        if works:
+            dw1, dw2 = G.hooked_weight_grads(ops, works, o.weight_grad_hook, o.comm_sms)
         dx_UD = _concat(dxs)
         ds_Q = _concat(dss).to(s_Q.dtype)
         return dx_UD, ds_Q, dw1, dw2, None, None, None
