@@ -37,7 +37,6 @@ from .kernels.routing import Routing
 from .layer_options import LayerOptions
 from .megatron_compat import default_pg_collection, expert_rng_context
 from .token_dispatch import (
-    DeferredWeightGrad,
     EarlyDispatch,
     EPPlan,
     TokenRounding,
@@ -45,7 +44,7 @@ from .token_dispatch import (
     local_experts,
     local_experts_before_sync,
 )
-from .wgrad import WeightGradSink, add_to_main_grads
+from .wgrad import WeightGradSink
 
 
 def init_stacked_weights(module, config, num_local_experts: int, pg_collection, gated: bool) -> None:
@@ -137,10 +136,9 @@ class SonicExperts(MegatronModule):
             config=self.config,
             pair=self.options.sonic.pair_weight_grads,
         )
-        if delay:  # token_dispatch's engine records its weight-gradient GEMMs here, for backward_dw()
-            self.wgrad.ep_deferred = DeferredWeightGrad(sink=add_to_main_grads)
-        # token_dispatch's options of these experts: the layer's, with this module's deferred weight gradients
-        self.ep_options = dataclasses.replace(self.options.ep, wgrad=self.wgrad.ep_deferred)
+        # token_dispatch's options of these experts: the layer's, with the weight gradients going through the sink
+        # as the local path's do (main_grad fusion, micro-batch pairs, delayed wgrad)
+        self.ep_options = dataclasses.replace(self.options.ep, weight_grad_hook=self.wgrad.grads_for_autograd)
 
     @torch.no_grad()
     def _init_weights(self) -> None:

@@ -10,9 +10,8 @@ Megatron's contract, mirrored here:
   ``main_grads_empty``), ``param.grad_added_to_main_grad`` is set, and autograd receives a dummy tensor so that DDP's
   per-parameter hook still fires (it skips the add because of the flag) -- what Megatron's own linear layers do
   under ``gradient_accumulation_fusion``. That flag selects Megatron's fused-GEMM extension (apex / Transformer
-  Engine) for its linear layers; the experts' GEMMs accumulate natively, so they fuse whatever it says. (At
-  EP > 1 the sonic dispatcher's engine returns the gradients to autograd and DDP's hook adds them, unless
-  delayed);
+  Engine) for its linear layers; the experts' GEMMs accumulate natively, so they fuse whatever it says. At
+  EP > 1 the same hook receives the sonic dispatcher's work (``EPOptions.weight_grad_hook``);
 * delayed wgrad: backward records what the weight GEMMs need and returns no weight gradient; ``compute()``
   (called from ``backward_dw()``) runs the GEMMs, accumulates, then calls the hooks DDP registered through
   ``register_wgrad_accumulation_and_reduce_hooks`` (parameters carry ``skip_backward_post_hook``).
@@ -170,8 +169,6 @@ class WeightGradSink:
         self.pair = pair
         self._pending: deque[Callable[[], tuple[torch.Tensor, ...]]] = deque()
         self._hooks: list[Callable] = []
-        # token_dispatch.local_experts defers into its own DeferredWeightGrad (set by SonicExperts).
-        self.ep_deferred = None
         self._held = None  # a micro-batch's WeightGradWork waiting for the next micro-batch's
         self._backwards = 0  # backward calls since Megatron's last finalize
         self._finalize: FinalizeAfterHeldWeightGrads | None = None  # the hook this sink registered with
@@ -244,15 +241,13 @@ class WeightGradSink:
     # -- called from backward_dw() ---------------------------------------------------------------------
     @property
     def num_pending(self) -> int:
-        return len(self._pending) + (self.ep_deferred.num_pending if self.ep_deferred is not None else 0)
+        return len(self._pending)
 
     @torch.no_grad()  # backward_dw runs outside autograd's backward; the saved tensors may require grad
     def compute(self) -> None:
         """Run every recorded weight-gradient computation, accumulate, then fire DDP's hooks."""
         if not self.num_pending:
             return
-        if self.ep_deferred is not None:
-            self.ep_deferred.compute()
         while self._pending:
             compute = self._pending.popleft()
             if add_into_main_grads(compute, self.params):

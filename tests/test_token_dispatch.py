@@ -104,9 +104,10 @@ def run_ep(case, rank, P, *, dtype, mode="fused", group=None, **opts):
     off, T, x, logits, w1, w2 = _leaves(case, rank, P, dtype)
     routing = build_routing(case, logits, off, T)
     wgrad = DeferredWeightGrad() if opts.pop("deferred", False) else None
+    where = {"wgrad": wgrad, "weight_grad_hook": _hook(opts.pop("hook", None), kept := [])}
     if mode == "fused":
         out = expert_parallel_experts(
-            x, routing, w1, w2, group=group, num_experts=case["E"], backend="torch", wgrad=wgrad, **opts
+            x, routing, w1, w2, group=group, num_experts=case["E"], backend="torch", **where, **opts
         )
     elif mode in ("slots", "sync_late"):  # rows and pairs in slots of the largest T + slot_extra rows, before the sync
         before_sync = mode == "sync_late"
@@ -128,12 +129,29 @@ def run_ep(case, rank, P, *, dtype, mode="fused", group=None, **opts):
     else:
         plan = make_plan(routing, num_experts=case["E"], group=group, x_TD=x, **opts)
         xr, sr = dispatch(x, plan)
-        out = combine(local_experts(xr, sr, w1, w2, plan, backend="torch", wgrad=wgrad), plan)
+        out = combine(local_experts(xr, sr, w1, w2, plan, backend="torch", **where), plan)
     out.backward(case["grad"][off : off + T].to(dtype))
     if wgrad is not None:
         assert w1.grad is None and wgrad.num_pending > 0
         wgrad.compute()
+    if kept:  # the kept works store into fp32 buffers, as Megatron's main_grad
+        assert w1.grad is None and len(kept) == 1
+        ct = torch.promote_types(dtype, torch.float32)
+        acc = (torch.full(w1.shape, float("nan"), dtype=ct), torch.full(w2.shape, float("nan"), dtype=ct))
+        kept[0](out=acc, accumulate=False)
+        w1.grad, w2.grad = acc[0].to(dtype), acc[1].to(dtype)
     return [t.detach() for t in (out, x.grad, logits.grad, w1.grad, w2.grad)]
+
+
+def _hook(when: str | None, kept: list):
+    """An ``EPOptions.weight_grad_hook``: None; "now" runs the work and hands its gradients to autograd; "kept"
+    appends it to ``kept`` (run after backward) and hands autograd nothing."""
+    if when == "now":
+        return lambda work: work()
+    if when == "kept":
+        return lambda work: (kept.append(work), (None, None))[1]
+    assert when is None, when
+    return None
 
 
 def run_reference(case, rank, P, dtype, impl):
@@ -195,6 +213,8 @@ def _equivalence_worker(rank, P):
         "sync_late_empty_rank_deferred": ("empty_rank", {"mode": "sync_late", "slot_extra": 1, "deferred": True}),
         "sync_late_one_expert": ("one_expert", {"mode": "sync_late", "slot_extra": 3}),
         "sync_late_flat": ("flat", {"mode": "sync_late", "slot_extra": 1}),
+        "hook_kept_chunks3": ("random", {"num_chunks": 3, "hook": "kept"}),
+        "stepwise_hook_kept_chunks2_empty_rank": ("empty_rank", {"mode": "stepwise", "num_chunks": 2, "hook": "kept"}),
     }
     for name, (kind, opts) in variants.items():
         case = global_case(kind, P, seed=zlib.crc32(name.encode()) % 1000)
@@ -223,17 +243,21 @@ def _equivalence_worker(rank, P):
         a = run_ep(case, rank, P, dtype=torch.bfloat16, mode=mode, **opts)
         b = run_ep(case, rank, P, dtype=torch.bfloat16, mode=mode, **opts)
         res[f"bitwise/{mode}"] = all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
-    # Options that must not change a single bit: redispatch, deferred wgrad.
-    base = run_ep(case, rank, P, dtype=torch.bfloat16)
+    # Options that must not change a single bit: redispatch, deferred wgrad, a weight-gradient hook that runs
+    # the work at once (each against the same form without it).
+    base = {mode: run_ep(case, rank, P, dtype=torch.bfloat16, mode=mode) for mode in ("fused", "stepwise")}
     for name, opts in (
         ("redispatch", {"redispatch_x_in_backward": True}),
         ("deferred", {"deferred": True}),
         ("comm_sms", {"comm_sms": 16}),
+        ("hook_now", {"hook": "now"}),
+        ("stepwise_hook_now", {"mode": "stepwise", "hook": "now"}),
     ):
         other = run_ep(case, rank, P, dtype=torch.bfloat16, **opts)
-        res[f"same_bits/{name}"] = all(torch.equal(u, v) for u, v in zip(base, other, strict=True))
+        same = base[opts.get("mode", "fused")]
+        res[f"same_bits/{name}"] = all(torch.equal(u, v) for u, v in zip(same, other, strict=True))
     # Row slots against exact split sizes, both step-wise: the same bits.
-    base = run_ep(case, rank, P, dtype=torch.bfloat16, mode="stepwise")
+    base = base["stepwise"]
     other = run_ep(case, rank, P, dtype=torch.bfloat16, mode="slots", slot_extra=5)
     res["same_bits/slots"] = all(torch.equal(u, v) for u, v in zip(base, other, strict=True))
     other = run_ep(case, rank, P, dtype=torch.bfloat16, mode="sync_late", slot_extra=4)
@@ -289,6 +313,8 @@ F64_CASES = (
     "sync_late_empty_rank_deferred",
     "sync_late_one_expert",
     "sync_late_flat",
+    "hook_kept_chunks3",
+    "stepwise_hook_kept_chunks2_empty_rank",
 )
 
 
@@ -323,6 +349,8 @@ def test_repeated_runs_bitwise_equal(P):
         "same_bits/redispatch",
         "same_bits/deferred",
         "same_bits/comm_sms",
+        "same_bits/hook_now",
+        "same_bits/stepwise_hook_now",
     }
     for rank, res in enumerate(_equivalence(P)):
         for key in [k for k in res if k.startswith(("bitwise/", "same_bits/"))]:
@@ -793,10 +821,13 @@ def test_options_validated_once_frozen_and_keywords_override():
         ("activation", "tanh", "activation must be one of"),
         ("rounding", "up", "rounding must be a TokenRounding or None, got str"),
         ("wgrad", object(), "wgrad must be a DeferredWeightGrad or None, got object"),
+        ("weight_grad_hook", 3, r"weight_grad_hook must be callable\(work\) or None, got int"),
     ]
     for name, value, msg in bad:
         with pytest.raises(EPInputError, match="EPOptions: " + msg):
             EPOptions(**{name: value})
+    with pytest.raises(EPInputError, match="EPOptions: wgrad and weight_grad_hook both say where"):
+        EPOptions(wgrad=DeferredWeightGrad(), weight_grad_hook=lambda work: work())
     opts = EPOptions(num_chunks=2, backend="torch")
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.num_chunks = 3

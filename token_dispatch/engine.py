@@ -24,12 +24,14 @@ QuACK's plans on fewer clusters, ``kernels/cute/quack_adapter.py``).
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from ..kernels.interface import resolve_backend
 from ..kernels.routing import RoutingMetadata
+from ..kernels.weight_grad_pairs import WeightGradWork
 from . import exchange as X
 from .comm import Pending
 from .options import EPOptions
@@ -131,6 +133,14 @@ def weight_grads(ops, dO, x, ap, dH, meta: RoutingMetadata, w1, w2, wgrad, acc, 
         return ops.backward_weights(dO, x, ap, dH, meta, out=acc)
 
 
+def hooked_weight_grads(ops, works: list[WeightGradWork], hook, comm_sms=0):
+    """``EPOptions.weight_grad_hook`` on every stage's weight work merged into one: what it returns to autograd
+    for (w1, w2). ``comm_sms`` as in ``weight_grads`` for work the hook runs at once."""
+    work = functools.reduce(WeightGradWork.merged_with, works)
+    with ops.reserve_sms(comm_sms) if comm_sms else contextlib.nullcontext():
+        return hook(work)
+
+
 def in_weight_dtype(dws, w1, w2):
     """(dW1, dW2) in the weights' dtype (one rounding of the fp32 stage sums), or (None, None)."""
     if dws is None:
@@ -207,7 +217,7 @@ def backward(grad_TD, saved: Saved, w1, w2, plan: EPPlan, ops, options: EPOption
     ct = torch.promote_types(grad_TD.dtype, torch.float32)
     ds_send = torch.empty(sum(map(sum, plan.send_pairs)), dtype=ct, device=grad_TD.device)
     pend_back, keep = Pending(), []
-    dws = None
+    dws, works = None, []
     for i in range(S):
         pend_dO[i].wait()
         pend_x[i].wait()
@@ -220,11 +230,16 @@ def backward(grad_TD, saved: Saved, w1, w2, plan: EPPlan, ops, options: EPOption
         X.rows_to_sources(plan, dx, dx_send, i, pend_back)
         X.pairs_to_sources(plan, ds, ds_send, i, pend_back)
         keep.append((dx, ds))
-        if want_w:  # runs while stage i's dX / dS all-to-alls are in flight
+        if want_w and options.weight_grad_hook is not None:
+            works.append(WeightGradWork(ops, dO, x, ap, dH, meta))
+        elif want_w:  # runs while stage i's dX / dS all-to-alls are in flight
             with record_function(f"ep.bwd.weights[{i}]"), ops.reserve_sms(free.weights):
                 dws = weight_grads(ops, dO, x, ap, dH, meta, w1, w2, options.wgrad, dws, S)
-    pend_back.wait()
     dw1, dw2 = in_weight_dtype(dws, w1, w2)
+    if works:  # while the last stage's dX / dS all-to-alls are in flight
+        with record_function("ep.bwd.weights"), ops.reserve_sms(free.weights):
+            dw1, dw2 = hooked_weight_grads(ops, works, options.weight_grad_hook)
+    pend_back.wait()
     with record_function("ep.bwd.combine_sum"):
         dx_TD = X.sum_rows_per_token(plan, dx_send) if want_dx else None
     ds_R = None

@@ -10,6 +10,7 @@ together instead of one rank leaving its peers in a collective.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..kernels.activations import ACTIVATIONS
@@ -31,6 +32,11 @@ class EPOptions:
         comm_sms: SMs the GEMMs leave free while a collective is in flight (0 = every SM to the GEMMs).
         redispatch_x_in_backward: cache only the local X and dispatch it again in backward.
         wgrad: defer the weight-gradient GEMMs to ``wgrad.compute()`` (Megatron's backward_dw).
+        weight_grad_hook: where the weight gradients go instead (not with ``wgrad``): backward calls it with one
+            ``kernels.WeightGradWork`` over the call's received rows (every stage's rows as one work) and
+            returns what it returns to autograd for (w1, w2): ``moe_experts``' ``weight_grad_hook`` contract
+            (the work can add into fp32 buffers inside its GEMMs, be merged with a later micro-batch's, or be
+            kept for later). Work it runs at once keeps ``comm_sms``; work it keeps runs on every SM.
     """
 
     activation: str = "swiglu"
@@ -40,6 +46,7 @@ class EPOptions:
     comm_sms: int = 0
     redispatch_x_in_backward: bool = False
     wgrad: DeferredWeightGrad | None = None
+    weight_grad_hook: Callable | None = None
 
     def __post_init__(self) -> None:
         problem = _problem({f: getattr(self, f) for f in FIELDS})
@@ -73,6 +80,11 @@ def _problem(values: dict) -> str | None:
         return f"rounding must be a TokenRounding or None, got {type(values['rounding']).__name__}"
     if values["wgrad"] is not None and not isinstance(values["wgrad"], DeferredWeightGrad):
         return f"wgrad must be a DeferredWeightGrad or None, got {type(values['wgrad']).__name__}"
+    hook = values["weight_grad_hook"]
+    if hook is not None and not callable(hook):
+        return f"weight_grad_hook must be callable(work) or None, got {type(hook).__name__}"
+    if hook is not None and values["wgrad"] is not None:
+        return "wgrad and weight_grad_hook both say where the weight gradients go: pass one of them"
     return None
 
 

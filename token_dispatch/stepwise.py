@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.weight_grad_pairs import WeightGradWork
 from . import engine as G
 from . import exchange as X
 from .comm import Pending
@@ -122,12 +123,13 @@ class _LocalExperts(torch.autograd.Function):
 
 
 def _experts_backward(ctx, dy_UD, x_UD, s_Q, w1, w2, hs):
-    """local_experts' backward: (dx_UD, ds_Q, dw1, dw2), the weight gradients None where deferred."""
+    """local_experts' backward: (dx_UD, ds_Q, dw1, dw2), the weight gradients None where deferred or where
+    ``options.weight_grad_hook`` says so."""
     plan, ops, o = ctx.plan, ctx.ops, ctx.options
     dy_UD = dy_UD.contiguous()
     dxs, dss = [], []
     want_w = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
-    dws = None
+    dws, works = None, []
     for i in range(plan.num_stages):
         dO, x, meta = X.recv_rows(plan, dy_UD, i), X.recv_rows(plan, x_UD, i), plan.recv_meta[i]
         s_i = X.recv_pairs(plan, s_Q, i)
@@ -135,9 +137,13 @@ def _experts_backward(ctx, dy_UD, x_UD, s_Q, w1, w2, hs):
             dx, ds, (ap, dH) = ops.backward_data(dO, x, hs[i], s_i, w1, w2, meta, o.activation)
         dxs.append(dx)
         dss.append(ds)
-        if want_w:
+        if want_w and o.weight_grad_hook is not None:
+            works.append(WeightGradWork(ops, dO, x, ap, dH, meta))
+        elif want_w:
             dws = G.weight_grads(ops, dO, x, ap, dH, meta, w1, w2, o.wgrad, dws, plan.num_stages, o.comm_sms)
     dw1, dw2 = G.in_weight_dtype(dws, w1, w2)
+    if works:
+        dw1, dw2 = G.hooked_weight_grads(ops, works, o.weight_grad_hook, o.comm_sms)
     return _concat(dxs), _concat(dss).to(s_Q.dtype), dw1, dw2
 
 
