@@ -89,9 +89,10 @@ def add_into_main_grads(fn, params) -> bool:
 
 
 def add_to_main_grads(fn, params) -> None:
-    """The sink of ``token_dispatch.DeferredWeightGrad`` under Megatron: the GEMMs add straight into the fp32
+    """Run ``fn`` (a weight-gradient work) into Megatron's buffers: the GEMMs add straight into the fp32
     ``main_grad`` buffers when both weights have one, else ``fn()``'s gradients go to ``main_grad`` (or ``.grad``
-    where a weight has none) through ``accumulate_weight_grad``."""
+    where a weight has none) through ``accumulate_weight_grad``. ``WeightGradSink.flush`` runs held work with it;
+    it is also a sink for ``token_dispatch.DeferredWeightGrad``."""
     if add_into_main_grads(fn, params):
         return
     for w, g in zip(params, fn(), strict=True):
