@@ -159,3 +159,58 @@ def test_large_rounded_on_gpu():
         if name == "pair_meta_RC":
             a, b = a[:real], b[:real]
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+
+
+def _plan_with_and_without_kernels(rank, world_size):
+    """One rounded EP layer call (plan, dispatch, experts, combine, backward) twice: with the plan's send side from
+    these kernels (forced on the CPU: the CPU rounding's pairs are token-sorted too, their offsets searched here)
+    and from the reference; every plan field, output and gradient bitwise equal on every rank."""
+    import torch.distributed as dist
+    from sonic_megatron.kernels import TopKRouting
+    from sonic_megatron.token_dispatch import EPOptions, combine, dispatch, local_experts, make_plan
+    from sonic_megatron.token_dispatch import plan as plan_module
+    from sonic_megatron.token_dispatch.triton_send_csr import ep_send_side_csr
+
+    reference = plan_module.build_send_side
+
+    def with_kernels(tok_R, exp_R, scores_R, T, L, P, N, topk=None, padded=False, token_offsets=None):
+        assert padded and topk is None and T > 0
+        offsets = torch.searchsorted(tok_R, torch.arange(T + 1))
+        return send_side.SendSide(*ep_send_side_csr(offsets, exp_R, scores_R, T, L, P, N, block_tokens=4))
+
+    T, D, F, E, K = 24 if rank else 19, 16, 8, 4 * world_size, 3
+    g = torch.Generator().manual_seed(rank)
+    x0, logits0 = torch.randn(T, D, generator=g, dtype=torch.float64), torch.randn(T, E, generator=g)
+    w10 = torch.randn(E // world_size, 2 * F, D, generator=g, dtype=torch.float64)
+    w20 = torch.randn(E // world_size, D, F, generator=g, dtype=torch.float64)
+    grad = torch.randn(T, D, generator=g, dtype=torch.float64)
+    opts = EPOptions(backend="torch", rounding=TokenRounding("nearest", 4), num_chunks=2)
+
+    def run(kernels: bool):
+        plan_module.build_send_side = with_kernels if kernels else reference
+        try:
+            x, logits = x0.clone().requires_grad_(), logits0.clone().requires_grad_()
+            w1, w2 = w10.clone().requires_grad_(), w20.clone().requires_grad_()
+            probs = logits.softmax(-1)
+            s, idx = probs.topk(K, dim=-1)
+            plan = make_plan(
+                TopKRouting(s, idx), num_experts=E, group=dist.group.WORLD, rounding_scores_TE=probs, options=opts
+            )
+            xr, sr = dispatch(x, plan)
+            y = combine(local_experts(xr, sr, w1, w2, plan, options=opts), plan)
+            y.backward(grad)
+        finally:
+            plan_module.build_send_side = reference
+        sizes = (plan.send_rows, plan.send_pairs, plan.recv_rows, plan.recv_pairs)
+        fields = (plan.send_token_idx_S, plan.send_pair_idx, plan.combine_order_S, plan.combine_offsets)
+        return sizes, (*fields, y, x.grad, logits.grad, w1.grad, w2.grad)
+
+    (sizes_a, a), (sizes_b, b) = run(True), run(False)
+    return sizes_a == sizes_b and all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_rounded_plan_from_the_kernels_equals_the_reference(world_size):
+    from sonic_megatron.testing import spawn
+
+    assert spawn(_plan_with_and_without_kernels, world_size) == [True] * world_size
