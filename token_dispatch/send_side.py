@@ -163,7 +163,8 @@ def _csr_send_side(token_offsets: torch.Tensor, T: int, world_size: int):
     if not token_offsets.is_cuda or T < 1:
         return None
     try:
-        from .triton_send_csr import MAX_RANKS, ep_send_side_csr
+        from .triton_send import MAX_RANKS
+        from .triton_send_csr import ep_send_side_csr
     except ImportError:  # no Triton: PyTorch's ops (same contract)
         return None
     return ep_send_side_csr if world_size <= MAX_RANKS else None

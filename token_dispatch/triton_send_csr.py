@@ -26,24 +26,19 @@ import triton
 import triton.language as tl
 
 from .triton_send import (
-    _SCAN_ELEMS,
     _SCORE_DTYPES,
-    _TILE_ELEMS,
-    MAX_RANKS,
-    MAX_SEGMENTS,
     EPSendSide,
     IndexStats,
-    _scan_kernel,
+    ScanBuffers,
+    SendOutputs,
+    _fill_tails,
+    _place_rows,
+    _store_counts,
+    _store_score_bits,
     _tile_tokens,
+    check_layout,
+    tiling,
 )
-
-
-@triton.jit
-def _token_pairs(offsets_ptr, t, valid):
-    """(first pair [BT] int64, pair count [BT] int64, the tile's largest count) of the tile's tokens."""
-    first = tl.load(offsets_ptr + t, mask=valid, other=0).to(tl.int64)
-    count = tl.where(valid, tl.load(offsets_ptr + t + 1, mask=valid, other=0).to(tl.int64) - first, 0)
-    return first, count, tl.max(count, axis=0)
 
 
 @triton.jit
@@ -56,14 +51,18 @@ def _csr_destination(exp_ptr, first, count, k, P, L):
 
 
 @triton.jit
-def _csr_pairs_per_destination(exp_ptr, first, count, kmax, P, L, BT: tl.constexpr, PP: tl.constexpr):
-    """npair [BT, PP] int32: pairs of each token to each destination."""
+def _csr_pairs(exp_ptr, offsets_ptr, t, valid, P, L, BT: tl.constexpr, PP: tl.constexpr):
+    """The tile's tokens' pairs: (npair [BT, PP] int32 pairs of each token to each destination, first pair [BT]
+    int64, pair count [BT] int64, the tile's largest count)."""
+    first = tl.load(offsets_ptr + t, mask=valid, other=0).to(tl.int64)
+    count = tl.where(valid, tl.load(offsets_ptr + t + 1, mask=valid, other=0).to(tl.int64) - first, 0)
+    kmax = tl.max(count, axis=0)
     p = tl.arange(0, PP)
     npair = tl.zeros([BT, PP], dtype=tl.int32)
     for k in range(0, kmax):
         _, d, ok = _csr_destination(exp_ptr, first, count, k, P, L)
         npair += ((d[:, None] == p[None, :]) & ok[:, None]).to(tl.int32)
-    return npair
+    return npair, first, count, kmax
 
 
 @triton.jit(do_not_specialize=["T", "J"])
@@ -84,14 +83,8 @@ def _count_csr_kernel(
     PP: tl.constexpr,
 ):
     t, valid, c, j = _tile_tokens(T, N, J, BT)
-    first, count, kmax = _token_pairs(offsets_in_ptr, t, valid)
-    npair = _csr_pairs_per_destination(exp_ptr, first, count, kmax, P, L, BT, PP)
-    flag = (npair > 0).to(tl.int32)
-    p = tl.arange(0, PP)
-    at = (c * P + p) * J + j
-    tl.store(cnt_rows_ptr + at, tl.sum(flag, axis=0), mask=p < P)
-    tl.store(cnt_pairs_ptr + at, tl.sum(npair, axis=0), mask=p < P)
-    tl.store(tile_rows_ptr + c * J + j, tl.sum(tl.sum(flag, axis=1), axis=0))
+    npair, _, _, _ = _csr_pairs(exp_ptr, offsets_in_ptr, t, valid, P, L, BT, PP)
+    _store_counts(npair, c, j, P, J, cnt_rows_ptr, cnt_pairs_ptr, tile_rows_ptr, PP)
     zero = tl.zeros([1], dtype=tl.int64)  # no index stats here (module docstring); the scan reads defined values
     one = tl.arange(0, 1)
     tl.store(tile_stats_ptr + c * J + j + one, zero)
@@ -126,28 +119,25 @@ def _place_csr_kernel(
     FILL: tl.constexpr,
 ):
     t, valid, c, j = _tile_tokens(T, N, J, BT)
-    first, count, kmax = _token_pairs(offsets_in_ptr, t, valid)
-    npair = _csr_pairs_per_destination(exp_ptr, first, count, kmax, P, L, BT, PP)
-    flag = (npair > 0).to(tl.int32)
-    is_row = flag > 0
-    p = tl.arange(0, PP)
-    p_ok = p < P
-    seg_at = (c * P + p) * J
-    row0 = tl.load(row_base_ptr + seg_at + j, mask=p_ok, other=0)
-    seg_row0 = tl.load(row_base_ptr + seg_at, mask=p_ok, other=0)
-    pair0 = tl.load(pair_base_ptr + seg_at + j, mask=p_ok, other=0)
-
-    # Send rows and the combine order: as ``_place_kernel`` (tokens ascending inside a (segment, tile)).
-    send_row = row0[None, :] + (tl.cumsum(flag, axis=0) - flag)
-    tl.store(send_tok_ptr + send_row, tl.broadcast_to(t[:, None], [BT, PP]), mask=is_row)
-    n_dest = tl.sum(flag, axis=1)
-    tok_first = tl.load(tile_base_ptr + c * J + j) + (tl.cumsum(n_dest, axis=0) - n_dest)
-    tl.store(offsets_ptr + t, tok_first, mask=valid)
-    tl.store(comb_order_ptr + tok_first[:, None] + (tl.cumsum(flag, axis=1) - flag), send_row, mask=is_row)
-
+    npair, first, count, kmax = _csr_pairs(exp_ptr, offsets_in_ptr, t, valid, P, L, BT, PP)
+    row_in_seg, pair_first, p = _place_rows(
+        npair,
+        t,
+        valid,
+        c,
+        j,
+        P,
+        J,
+        row_base_ptr,
+        pair_base_ptr,
+        tile_base_ptr,
+        offsets_ptr,
+        send_tok_ptr,
+        comb_order_ptr,
+        BT,
+        PP,
+    )
     # Pairs: first pair of (token, destination), then the token's later pairs there in flat order.
-    row_in_seg = (send_row - seg_row0[None, :]).to(tl.int32)
-    pair_first = pair0[None, :] + (tl.cumsum(npair, axis=0) - npair)
     seen = tl.zeros([BT, PP], dtype=tl.int32)
     for k in range(0, kmax):
         e, d, ok = _csr_destination(exp_ptr, first, count, k, P, L)
@@ -160,24 +150,11 @@ def _place_csr_kernel(
         m_ptr = meta_ptr + pos * CC
         tl.store(m_ptr, tl.sum(tl.where(hit, row_in_seg, 0), axis=1), mask=ok)
         tl.store(m_ptr + 1, local.to(tl.int32), mask=ok)
-        s = tl.load(score_ptr + first + k, mask=ok, other=0)
-        if IS_F64:
-            b = s.to(tl.int64, bitcast=True)
-            tl.store(m_ptr + 2, b.to(tl.int32), mask=ok)
-            tl.store(m_ptr + 3, (b >> 32).to(tl.int32), mask=ok)
-        elif IS_BF16:
-            tl.store(m_ptr + 2, s.to(tl.int16, bitcast=True).to(tl.int32) << 16, mask=ok)
-        else:
-            tl.store(m_ptr + 2, s.to(tl.float32).to(tl.int32, bitcast=True), mask=ok)
-
-    # Tails [S, R) of the send rows and the combine order, and the padding pairs [offsets[T], R) of the pair
-    # order (last, in flat order, as the reference's stable sort puts them): this program's FILL-slice.
-    S = tl.load(offsets_ptr + T)
+        _store_score_bits(m_ptr, tl.load(score_ptr + first + k, mask=ok, other=0), ok, IS_F64, IS_BF16)
+    # The tails of the send rows and the combine order, and the padding pairs [offsets[T], R) of the pair order
+    # (last, in flat order, as the reference's stable sort puts them).
+    i = _fill_tails(offsets_ptr, T, R, c, j, J, send_tok_ptr, comb_order_ptr, FILL)
     real = tl.load(offsets_in_ptr + T).to(tl.int64)
-    i = (c * J + j) * FILL + tl.arange(0, FILL)
-    tail = (i >= S) & (i < R)
-    tl.store(send_tok_ptr + i, tl.zeros([FILL], dtype=tl.int64) + T, mask=tail)
-    tl.store(comb_order_ptr + i, i, mask=tail)
     tl.store(order_ptr + i, i, mask=(i >= real) & (i < R))
 
 
@@ -201,15 +178,7 @@ def _check(token_offsets, expert_idx_R, scores_R, num_tokens, num_local_experts,
     devices = {token_offsets.device, expert_idx_R.device, scores_R.device}
     if len(devices) != 1:
         bad("the tensors' devices", "one device", sorted(map(str, devices)))
-    for name, v, hi in (
-        ("num_local_experts", num_local_experts, 2**31 - 1),
-        ("world_size", world_size, MAX_RANKS),
-        ("num_chunks", num_chunks, MAX_SEGMENTS),
-    ):
-        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
-            bad(name, f"an int in [1, {hi}]", repr(v))
-    if num_chunks * world_size > MAX_SEGMENTS:
-        bad("num_chunks * world_size", f"<= {MAX_SEGMENTS}", num_chunks * world_size)
+    check_layout(bad, num_local_experts, world_size, num_chunks)
     if expert_idx_R.numel() >= 2**31:
         bad("expert_idx_R", "fewer than 2^31 pairs", expert_idx_R.numel())
 
@@ -241,56 +210,33 @@ def ep_send_side_csr(
     T, L, P, N = num_tokens, num_local_experts, world_size, num_chunks
     R, NP, device = expert_idx_R.numel(), N * P, expert_idx_R.device
     f64 = scores_R.dtype == torch.float64
-    i64 = dict(dtype=torch.int64, device=device)
-    rows_R = torch.empty(3, R, **i64)
+    rows_R = torch.empty(3, R, dtype=torch.int64, device=device)
     order, send_tok, comb_order = rows_R[0], rows_R[1], rows_R[2]
     meta = torch.empty(R, 4 if f64 else 3, dtype=torch.int32, device=device)
-    small = torch.empty(2 * NP + 3, **i64)
-    rows_NP, pairs_NP = small[:NP], small[NP : 2 * NP]
-    minmax, duplicate = small[2 * NP : 2 * NP + 2], small[2 * NP + 2 :]
-    offsets = torch.empty(T + 1, **i64)
-    PP = triton.next_power_of_2(P)
-    if block_tokens is None:
-        BT = max(4, min(128, _TILE_ELEMS // PP))
-    elif isinstance(block_tokens, int) and block_tokens >= 1 and block_tokens & (block_tokens - 1) == 0:
-        BT = block_tokens
-    else:
-        raise ValueError(f"ep_send_side_csr: block_tokens must be a power of two >= 1, got {block_tokens!r}")
-    J = triton.cdiv(triton.cdiv(T, N), BT)
+    out = SendOutputs.new(NP, device)
+    offsets = torch.empty(T + 1, dtype=torch.int64, device=device)
+    BT, PP, J = tiling(T, N, P, block_tokens, "ep_send_side_csr")
     n_tiles = N * J
-    cnt = torch.empty(2 * NP * J + n_tiles, dtype=torch.int32, device=device)
-    base = torch.empty(2 * NP * J + n_tiles + 3 * n_tiles, **i64)
-    cnt_rows, cnt_pairs, tile_rows = cnt[: NP * J], cnt[NP * J : 2 * NP * J], cnt[2 * NP * J :]
-    row_base, pair_base = base[: NP * J], base[NP * J : 2 * NP * J]
-    tile_base, tile_stats = base[2 * NP * J : 2 * NP * J + n_tiles], base[2 * NP * J + n_tiles :]
+    b = ScanBuffers.new(NP, J, n_tiles, device)
     token_offsets, expert_idx_R, scores_R = token_offsets.contiguous(), expert_idx_R.contiguous(), scores_R.contiguous()
     grid = (J, N)
     _count_csr_kernel[grid](
-        expert_idx_R, token_offsets, T, N, P, L, J, cnt_rows, cnt_pairs, tile_rows, tile_stats, n_tiles, BT=BT, PP=PP
-    )
-    NPB = triton.next_power_of_2(NP)
-    _scan_kernel[(1,)](
-        cnt_rows,
-        cnt_pairs,
-        tile_rows,
-        NP,
-        J,
-        n_tiles,
+        expert_idx_R,
+        token_offsets,
         T,
-        row_base,
-        pair_base,
-        rows_NP,
-        pairs_NP,
-        tile_base,
-        offsets,
-        tile_stats,
-        minmax,
-        duplicate,
-        NPB=NPB,
-        TB=max(1, _SCAN_ELEMS // NPB),
-        B1=_SCAN_ELEMS,
-        num_warps=8,
+        N,
+        P,
+        L,
+        J,
+        b.cnt_rows,
+        b.cnt_pairs,
+        b.tile_rows,
+        b.tile_stats,
+        n_tiles,
+        BT=BT,
+        PP=PP,
     )
+    b.scan(NP, J, n_tiles, T, out, offsets)
     _place_csr_kernel[grid](
         expert_idx_R,
         token_offsets,
@@ -301,9 +247,9 @@ def ep_send_side_csr(
         P,
         L,
         J,
-        row_base,
-        pair_base,
-        tile_base,
+        b.row_base,
+        b.pair_base,
+        b.tile_base,
         offsets,
         order,
         send_tok,
@@ -316,4 +262,6 @@ def ep_send_side_csr(
         IS_BF16=scores_R.dtype == torch.bfloat16,
         FILL=triton.next_power_of_2(max(1, triton.cdiv(R, n_tiles))),
     )
-    return EPSendSide(order, send_tok, comb_order, offsets, meta, rows_NP, pairs_NP, IndexStats(minmax, duplicate))
+    return EPSendSide(
+        order, send_tok, comb_order, offsets, meta, out.rows_NP, out.pairs_NP, IndexStats(out.minmax, out.duplicate)
+    )
