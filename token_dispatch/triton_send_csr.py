@@ -9,9 +9,9 @@ plan reads: the send rows, the combine order and offsets, the counts, and the fi
 order and metadata (the padding pairs' entries there are never sent). The pair order's padding entries are the
 reference's too (padding pairs go last, in flat order); the pair metadata's padding rows are left unwritten.
 
-Token t's pairs are [offsets[t], offsets[t + 1]), sorted by expert (so a destination's pairs are consecutive, as
-the dedup of the reference needs only distinct (token, destination)); their number varies per token, so each
-program loops over the most pairs a token of its tile has. Rounding gives a token at most a few pairs more than K.
+Token t's pairs are [offsets[t], offsets[t + 1]) (tokens ascending, any order inside a token: a send row is a
+distinct (token, destination)); their number varies per token, so each program loops over the most pairs a token of
+its tile has.
 
 1. ``_count_csr_kernel`` (grid [J, N]): as ``_count_kernel``; the index stats (the header's) are the top-K
    routing's, taken before rounding, so these tiles report none.
