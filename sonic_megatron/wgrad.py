@@ -89,9 +89,11 @@ def add_into_main_grads(fn, params) -> bool:
 
 
 def add_to_main_grads(fn, params) -> None:
-    """The sink of ``token_dispatch.DeferredWeightGrad`` under Megatron: the GEMMs add straight into the fp32
+    """Run ``fn`` (a weight-gradient work) into Megatron's buffers: the GEMMs add straight into the fp32
     ``main_grad`` buffers when both weights have one, else ``fn()``'s gradients go to ``main_grad`` (or ``.grad``
-    where a weight has none) through ``accumulate_weight_grad``."""
+    where a weight has none) through ``accumulate_weight_grad``; a weight that does not require grad gets none.
+    ``WeightGradSink`` runs its held and delayed work with it; it is also a sink for
+    ``token_dispatch.DeferredWeightGrad``."""
     if add_into_main_grads(fn, params):
         return
     for w, g in zip(params, fn(), strict=True):
@@ -249,11 +251,7 @@ class WeightGradSink:
         if not self.num_pending:
             return
         while self._pending:
-            compute = self._pending.popleft()
-            if add_into_main_grads(compute, self.params):
-                continue
-            for p, g in zip(self.params, compute(), strict=True):
-                accumulate_weight_grad(p, g)
+            add_to_main_grads(self._pending.popleft(), self.params)
         for hook in self._hooks:
             hook(None)  # DDP's hook takes (*unused)
 

@@ -19,7 +19,9 @@ receiver turns them into routing metadata over its L local experts whose "tokens
      those collectives before the header can report it;
   3. send side (``send_side.py``), on the device before the sync, sized by R (the padded size with rounding:
      padding pairs have no destination and count nothing) and sliced after it; for top-K routing on CUDA its
-     kernels also write the counts and the index checks straight into the exchange vector of step 4;
+     kernels also write the counts and the index checks straight into the exchange vector of step 4; a rounding
+     from the kernels comes token-sorted with its token offsets, and its send side from the same kernels reading
+     each token's pair range (``triton_send_csr.py``);
   4. sizes (``sizes.py``): ONE all-gather of header + per (chunk, destination) counts and its copy to the host
      are launched (``start_plan`` ends here: nothing has waited yet); the caller may queue other work while it
      travels (Megatron's method split: whatever its schedule runs between dispatch_preprocess and
@@ -425,7 +427,10 @@ def _start_plan(
                 side = SendSide(*kernels(indices, routing.scores_TK, T, L, P, N, out=exchange_outputs(exchange, P, N)))
             else:
                 topk = routing if is_topk and rounding is None else None
-                side = build_send_side(tok_R, exp_R, scores_R, T, L, P, N, topk, padded=rounding is not None)
+                offsets = None if rounded is None else rounded.token_offsets
+                side = build_send_side(
+                    tok_R, exp_R, scores_R, T, L, P, N, topk, padded=rounding is not None, token_offsets=offsets
+                )
         except Exception as exc:  # noqa: BLE001 - raised on every rank by the header check
             error, cause, side, exchange = _local_error(exc), exc, None, None
     row_layout = pair_layout = None

@@ -149,6 +149,9 @@ class RoundingResult:
     counts_after_E: torch.Tensor  # int64 [E] global t_e
     dropped: torch.Tensor  # int64 scalar: pairs dropped on this rank (a tensor: reading it is a host sync)
     added: torch.Tensor  # int64 scalar: pairs added on this rank
+    # int64/int32 [T + 1]: token t's real pairs are [token_offsets[t], token_offsets[t + 1]) where the rounding
+    # produced them (the kernels' path; the plan's send side then reads them: ``send_side.build_send_side``), else None
+    token_offsets: torch.Tensor | None = None
 
 
 def round_targets(f_E: torch.Tensor, total_tokens: torch.Tensor, rounding: TokenRounding) -> torch.Tensor:

@@ -133,12 +133,38 @@ def triton_send_side(topk: TopKRouting, world_size: int):
 
 
 def build_send_side(
-    tok_R, exp_R, scores_R, T, L, P, N, topk: TopKRouting | None = None, padded: bool = False
+    tok_R,
+    exp_R,
+    scores_R,
+    T,
+    L,
+    P,
+    N,
+    topk: TopKRouting | None = None,
+    padded: bool = False,
+    token_offsets: torch.Tensor | None = None,
 ) -> SendSide:
     """The send side of the flat pairs (tok_R, exp_R, scores_R): from the Triton kernels on CUDA when
-    ``topk`` (the same pairs as top-K routing) is given, else from ``send_side_torch`` (same results).
+    ``topk`` (the same pairs as top-K routing) is given, or when ``token_offsets`` [T + 1] gives each token's range of
+    token-sorted pairs (the rounded routing: ``triton_send_csr.py``), else from ``send_side_torch`` (same results).
     ``padded``: the pairs end in padding pairs (token T, expert E), which no segment includes."""
     kernels = None if topk is None else triton_send_side(topk, P)
     if kernels is not None:
         return SendSide(*kernels(topk.indices_TK, topk.scores_TK, T, L, P, N))
+    csr = None if token_offsets is None or not padded else _csr_send_side(token_offsets, T, P)
+    if csr is not None:
+        return SendSide(*csr(token_offsets, exp_R, scores_R, T, L, P, N))
     return send_side_torch(tok_R, exp_R, scores_R, T, L, P, N, padded)
+
+
+def _csr_send_side(token_offsets: torch.Tensor, T: int, world_size: int):
+    """``triton_send_csr.ep_send_side_csr`` where it runs (CUDA, T >= 1, P <= its MAX_RANKS, Triton importable),
+    else None."""
+    if not token_offsets.is_cuda or T < 1:
+        return None
+    try:
+        from .triton_send import MAX_RANKS
+        from .triton_send_csr import ep_send_side_csr
+    except ImportError:  # no Triton: PyTorch's ops (same contract)
+        return None
+    return ep_send_side_csr if world_size <= MAX_RANKS else None

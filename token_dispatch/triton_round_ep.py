@@ -235,5 +235,6 @@ def round_ep_triton(
         counts_after_E=report[E : 2 * E],
         dropped=report[2 * E],
         added=report[2 * E + 1],
+        token_offsets=rounded.token_offsets,
     )
     return result, stats_PS[:, E + 1] != 0

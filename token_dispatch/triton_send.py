@@ -75,6 +75,12 @@ class SendOutputs(NamedTuple):
     minmax: torch.Tensor
     duplicate: torch.Tensor
 
+    @staticmethod
+    def new(NP: int, device) -> SendOutputs:
+        """New outputs for N*P = ``NP`` segments (views of one allocation)."""
+        small = torch.empty(2 * NP + 3, dtype=torch.int64, device=device)
+        return SendOutputs(small[:NP], small[NP : 2 * NP], small[2 * NP : 2 * NP + 2], small[2 * NP + 2 :])
+
 
 @triton.jit
 def _tile_tokens(T, N, J, BT: tl.constexpr):
@@ -126,6 +132,84 @@ def _index_stats(idx_ptr, t, valid, stride_t, stride_k, K: tl.constexpr, KP: tl.
     return lo, hi, (tl.max(tl.max(dup, axis=1), axis=0) > 0).to(tl.int64)
 
 
+@triton.jit
+def _place_rows(
+    npair,
+    t,
+    valid,
+    c,
+    j,
+    P,
+    J,
+    row_base_ptr,
+    pair_base_ptr,
+    tile_base_ptr,
+    offsets_ptr,
+    send_tok_ptr,
+    comb_order_ptr,
+    BT: tl.constexpr,
+    PP: tl.constexpr,
+):
+    """Kernel 3's rows, from the tile's pairs per (token, destination) ``npair`` [BT, PP]: writes every send row's
+    token (inside a (segment, tile), tokens ascending), the tile's combine order (rows grouped by token, its
+    destinations ascending) and combine offsets. Returns (row in segment [BT, PP] int32, first send position of each
+    (token, destination)'s pairs [BT, PP], destinations [PP])."""
+    flag = (npair > 0).to(tl.int32)  # one send row per (token, destination) flagged; 0 for invalid tokens
+    is_row = flag > 0
+    p = tl.arange(0, PP)
+    p_ok = p < P
+    seg_at = (c * P + p) * J
+    row0 = tl.load(row_base_ptr + seg_at + j, mask=p_ok, other=0)  # first send row of (segment, this tile)
+    seg_row0 = tl.load(row_base_ptr + seg_at, mask=p_ok, other=0)  # first send row of the segment
+    pair0 = tl.load(pair_base_ptr + seg_at + j, mask=p_ok, other=0)
+    send_row = row0[None, :] + (tl.cumsum(flag, axis=0) - flag)  # int64 [BT, PP]
+    tl.store(send_tok_ptr + send_row, tl.broadcast_to(t[:, None], [BT, PP]), mask=is_row)
+    n_dest = tl.sum(flag, axis=1)
+    tok_first = tl.load(tile_base_ptr + c * J + j) + (tl.cumsum(n_dest, axis=0) - n_dest)  # int64 [BT]
+    tl.store(offsets_ptr + t, tok_first, mask=valid)
+    tl.store(comb_order_ptr + tok_first[:, None] + (tl.cumsum(flag, axis=1) - flag), send_row, mask=is_row)
+    row_in_seg = (send_row - seg_row0[None, :]).to(tl.int32)
+    pair_first = pair0[None, :] + (tl.cumsum(npair, axis=0) - npair)
+    return row_in_seg, pair_first, p
+
+
+@triton.jit
+def _store_score_bits(m_ptr, s, mask, IS_F64: tl.constexpr, IS_BF16: tl.constexpr):
+    """A pair's score bits into its metadata row (columns 2.., ``send_side.score_columns``' layout)."""
+    if IS_F64:  # two columns: low word, high word (little-endian view of the float64)
+        b = s.to(tl.int64, bitcast=True)
+        tl.store(m_ptr + 2, b.to(tl.int32), mask=mask)
+        tl.store(m_ptr + 3, (b >> 32).to(tl.int32), mask=mask)
+    elif IS_BF16:  # bf16 is the top half of its fp32: bit ops, no float convert
+        tl.store(m_ptr + 2, s.to(tl.int16, bitcast=True).to(tl.int32) << 16, mask=mask)
+    else:  # fp32 as is, fp16 widened (exact)
+        tl.store(m_ptr + 2, s.to(tl.float32).to(tl.int32, bitcast=True), mask=mask)
+
+
+@triton.jit
+def _fill_tails(offsets_ptr, T, R, c, j, J, send_tok_ptr, comb_order_ptr, FILL: tl.constexpr):
+    """Tails [S, R) of the send rows (the sentinel T) and of the combine order (S..R-1): this program's FILL-slice
+    of them (N*J*FILL >= R); S was stored by the scan. Returns the slice's positions."""
+    S = tl.load(offsets_ptr + T)
+    i = (c * J + j) * FILL + tl.arange(0, FILL)
+    tail = (i >= S) & (i < R)
+    tl.store(send_tok_ptr + i, tl.zeros([FILL], dtype=tl.int64) + T, mask=tail)
+    tl.store(comb_order_ptr + i, i, mask=tail)
+    return i
+
+
+@triton.jit
+def _store_counts(npair, c, j, P, J, cnt_rows_ptr, cnt_pairs_ptr, tile_rows_ptr, PP: tl.constexpr):
+    """Kernel 1's outputs from the tile's pairs per (token, destination) ``npair`` [BT, PP]: send rows and pairs per
+    (segment, tile), send rows of the tile."""
+    flag = (npair > 0).to(tl.int32)
+    p = tl.arange(0, PP)
+    at = (c * P + p) * J + j  # [segment, tile] layout: the scan's order is segment-major
+    tl.store(cnt_rows_ptr + at, tl.sum(flag, axis=0), mask=p < P)
+    tl.store(cnt_pairs_ptr + at, tl.sum(npair, axis=0), mask=p < P)
+    tl.store(tile_rows_ptr + c * J + j, tl.sum(tl.sum(flag, axis=1), axis=0))
+
+
 @triton.jit(do_not_specialize=["T", "J"])
 def _count_kernel(
     idx_ptr,
@@ -148,12 +232,7 @@ def _count_kernel(
 ):
     t, valid, c, j = _tile_tokens(T, N, J, BT)
     npair = _pairs_per_destination(idx_ptr, t, valid, stride_t, stride_k, P, L, K, BT, PP)
-    flag = (npair > 0).to(tl.int32)
-    p = tl.arange(0, PP)
-    at = (c * P + p) * J + j  # [segment, tile] layout: the scan's order is segment-major
-    tl.store(cnt_rows_ptr + at, tl.sum(flag, axis=0), mask=p < P)
-    tl.store(cnt_pairs_ptr + at, tl.sum(npair, axis=0), mask=p < P)
-    tl.store(tile_rows_ptr + c * J + j, tl.sum(tl.sum(flag, axis=1), axis=0))
+    _store_counts(npair, c, j, P, J, cnt_rows_ptr, cnt_pairs_ptr, tile_rows_ptr, PP)
     lo, hi, dup = _index_stats(idx_ptr, t, valid, stride_t, stride_k, K, KP, BT)
     tl.store(tile_stats_ptr + c * J + j, lo)  # [3, n_tiles]: min, max, duplicate flag per tile
     tl.store(tile_stats_ptr + n_tiles + c * J + j, hi)
@@ -262,27 +341,24 @@ def _place_kernel(
 ):
     t, valid, c, j = _tile_tokens(T, N, J, BT)
     npair = _pairs_per_destination(idx_ptr, t, valid, stride_t, stride_k, P, L, K, BT, PP)
-    flag = (npair > 0).to(tl.int32)  # one send row per (token, destination) flagged; 0 for invalid tokens
-    is_row = flag > 0
-    p = tl.arange(0, PP)
-    p_ok = p < P
-    seg_at = (c * P + p) * J
-    row0 = tl.load(row_base_ptr + seg_at + j, mask=p_ok, other=0)  # first send row of (segment, this tile)
-    seg_row0 = tl.load(row_base_ptr + seg_at, mask=p_ok, other=0)  # first send row of the segment
-    pair0 = tl.load(pair_base_ptr + seg_at + j, mask=p_ok, other=0)
-
-    # Send rows: inside a (segment, tile), tokens ascending.
-    send_row = row0[None, :] + (tl.cumsum(flag, axis=0) - flag)  # int64 [BT, PP]
-    tl.store(send_tok_ptr + send_row, tl.broadcast_to(t[:, None], [BT, PP]), mask=is_row)
-    # Combine: rows grouped by token, its destinations ascending (= its send rows ascending).
-    n_dest = tl.sum(flag, axis=1)
-    tok_first = tl.load(tile_base_ptr + c * J + j) + (tl.cumsum(n_dest, axis=0) - n_dest)  # int64 [BT]
-    tl.store(offsets_ptr + t, tok_first, mask=valid)
-    tl.store(comb_order_ptr + tok_first[:, None] + (tl.cumsum(flag, axis=1) - flag), send_row, mask=is_row)
-
+    row_in_seg, pair_first, p = _place_rows(
+        npair,
+        t,
+        valid,
+        c,
+        j,
+        P,
+        J,
+        row_base_ptr,
+        pair_base_ptr,
+        tile_base_ptr,
+        offsets_ptr,
+        send_tok_ptr,
+        comb_order_ptr,
+        BT,
+        PP,
+    )
     # Pairs: first pair of (token, destination), then k ascending among that token's pairs there.
-    row_in_seg = (send_row - seg_row0[None, :]).to(tl.int32)
-    pair_first = pair0[None, :] + (tl.cumsum(npair, axis=0) - npair)
     seen = tl.zeros([BT, PP], dtype=tl.int32)
     for k in tl.static_range(K):
         e, d = _destination(idx_ptr, t, valid, k, stride_t, stride_k, P, L)
@@ -296,21 +372,86 @@ def _place_kernel(
         tl.store(m_ptr, tl.sum(tl.where(hit, row_in_seg, 0), axis=1), mask=valid)
         tl.store(m_ptr + 1, local.to(tl.int32), mask=valid)
         s = tl.load(score_ptr + t * score_stride_t + k * score_stride_k, mask=valid, other=0)
-        if IS_F64:  # two columns: low word, high word (little-endian view of the float64)
-            b = s.to(tl.int64, bitcast=True)
-            tl.store(m_ptr + 2, b.to(tl.int32), mask=valid)
-            tl.store(m_ptr + 3, (b >> 32).to(tl.int32), mask=valid)
-        elif IS_BF16:  # bf16 is the top half of its fp32: bit ops, no float convert
-            tl.store(m_ptr + 2, s.to(tl.int16, bitcast=True).to(tl.int32) << 16, mask=valid)
-        else:  # fp32 as is, fp16 widened (exact)
-            tl.store(m_ptr + 2, s.to(tl.float32).to(tl.int32, bitcast=True), mask=valid)
+        _store_score_bits(m_ptr, s, valid, IS_F64, IS_BF16)
+    _fill_tails(offsets_ptr, T, R, c, j, J, send_tok_ptr, comb_order_ptr, FILL)
 
-    # Tails [S, R): this program's FILL-slice of them (N*J*FILL >= R); S was stored by the scan.
-    S = tl.load(offsets_ptr + T)
-    i = (c * J + j) * FILL + tl.arange(0, FILL)
-    tail = (i >= S) & (i < R)
-    tl.store(send_tok_ptr + i, tl.zeros([FILL], dtype=tl.int64) + T, mask=tail)
-    tl.store(comb_order_ptr + i, i, mask=tail)
+
+def tiling(T: int, N: int, P: int, block_tokens: int | None, caller: str) -> tuple[int, int, int]:
+    """(BT tokens per program, PP = P padded to a power of two, J tiles per chunk) of kernels 1 and 3;
+    ``block_tokens`` None: 128, fewer for P > 4 (BT * PP = ``_TILE_ELEMS``, BT >= 4), else a power of two."""
+    PP = triton.next_power_of_2(P)
+    if block_tokens is None:
+        BT = max(4, min(128, _TILE_ELEMS // PP))
+    elif isinstance(block_tokens, int) and block_tokens >= 1 and block_tokens & (block_tokens - 1) == 0:
+        BT = block_tokens
+    else:
+        raise ValueError(f"{caller}: block_tokens must be a power of two >= 1, got {block_tokens!r}")
+    return BT, PP, triton.cdiv(triton.cdiv(T, N), BT)
+
+
+class ScanBuffers(NamedTuple):
+    """Kernel 1's counts per (segment, tile) and per tile, kernel 2's prefixes of them (two allocations, views)."""
+
+    cnt_rows: torch.Tensor  # int32 [N*P, J]
+    cnt_pairs: torch.Tensor  # int32 [N*P, J]
+    tile_rows: torch.Tensor  # int32 [n_tiles]
+    row_base: torch.Tensor  # int64 [N*P, J]
+    pair_base: torch.Tensor  # int64 [N*P, J]
+    tile_base: torch.Tensor  # int64 [n_tiles]
+    tile_stats: torch.Tensor  # int64 [3, n_tiles]: min, max expert and the duplicate flag per tile
+
+    @staticmethod
+    def new(NP: int, J: int, n_tiles: int, device) -> ScanBuffers:
+        cnt = torch.empty(2 * NP * J + n_tiles, dtype=torch.int32, device=device)
+        base = torch.empty(2 * NP * J + n_tiles + 3 * n_tiles, dtype=torch.int64, device=device)
+        return ScanBuffers(
+            cnt[: NP * J],
+            cnt[NP * J : 2 * NP * J],
+            cnt[2 * NP * J :],
+            base[: NP * J],
+            base[NP * J : 2 * NP * J],
+            base[2 * NP * J : 2 * NP * J + n_tiles],
+            base[2 * NP * J + n_tiles :],
+        )
+
+    def scan(self, NP: int, J: int, n_tiles: int, T: int, out: SendOutputs, offsets: torch.Tensor) -> None:
+        """Kernel 2 (one program): the prefixes, ``out``'s counts and index stats, and S at ``offsets[T]``."""
+        NPB = triton.next_power_of_2(NP)
+        _scan_kernel[(1,)](
+            self.cnt_rows,
+            self.cnt_pairs,
+            self.tile_rows,
+            NP,
+            J,
+            n_tiles,
+            T,
+            self.row_base,
+            self.pair_base,
+            out.rows_NP,
+            out.pairs_NP,
+            self.tile_base,
+            offsets,
+            self.tile_stats,
+            out.minmax,
+            out.duplicate,
+            NPB=NPB,
+            TB=max(1, _SCAN_ELEMS // NPB),
+            B1=_SCAN_ELEMS,
+            num_warps=8,
+        )
+
+
+def check_layout(bad, num_local_experts, world_size: int, num_chunks: int) -> None:
+    """L, P and N in the kernels' ranges; ``bad(name, expected, got)`` raises."""
+    for name, v, hi in (
+        ("num_local_experts", num_local_experts, 2**31 - 1),
+        ("world_size", world_size, MAX_RANKS),
+        ("num_chunks", num_chunks, MAX_SEGMENTS),
+    ):
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
+            bad(name, f"an int in [1, {hi}]", repr(v))
+    if num_chunks * world_size > MAX_SEGMENTS:
+        bad("num_chunks * world_size", f"<= {MAX_SEGMENTS}", num_chunks * world_size)
 
 
 def _check(indices_TK, scores_TK, num_tokens, num_local_experts, world_size, num_chunks) -> None:
@@ -330,15 +471,7 @@ def _check(indices_TK, scores_TK, num_tokens, num_local_experts, world_size, num
     T, K = indices_TK.shape
     if num_tokens != T:
         bad("num_tokens", f"indices_TK.shape[0] = {T}", num_tokens)
-    for name, v, hi in (
-        ("num_local_experts", num_local_experts, 2**31 - 1),
-        ("world_size", world_size, MAX_RANKS),
-        ("num_chunks", num_chunks, MAX_SEGMENTS),
-    ):
-        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
-            bad(name, f"an int in [1, {hi}]", repr(v))
-    if num_chunks * world_size > MAX_SEGMENTS:
-        bad("num_chunks * world_size", f"<= {MAX_SEGMENTS}", num_chunks * world_size)
+    check_layout(bad, num_local_experts, world_size, num_chunks)
     if K < 1 or T * K >= 2**31:
         bad("indices_TK.shape", "[T, K] with K >= 1 and T*K < 2^31", tuple(indices_TK.shape))
 
@@ -383,8 +516,7 @@ def ep_send_side(
     order, send_tok, comb_order = rows_R[0], rows_R[1], rows_R[2]
     meta = torch.empty(R, 4 if f64 else 3, dtype=torch.int32, device=device)
     if out is None:
-        small = torch.empty(2 * NP + 3, **i64)
-        out = SendOutputs(small[:NP], small[NP : 2 * NP], small[2 * NP : 2 * NP + 2], small[2 * NP + 2 :])
+        out = SendOutputs.new(NP, device)
     stats = IndexStats(out.minmax, out.duplicate)
     if T == 0:
         for t in out:
@@ -392,49 +524,32 @@ def ep_send_side(
         return EPSendSide(order, send_tok, comb_order, torch.zeros(1, **i64), meta, out.rows_NP, out.pairs_NP, stats)
     offsets = torch.empty(T + 1, **i64)
 
-    PP = triton.next_power_of_2(P)
-    if block_tokens is None:
-        BT = max(4, min(128, _TILE_ELEMS // PP))
-    elif isinstance(block_tokens, int) and block_tokens >= 1 and block_tokens & (block_tokens - 1) == 0:
-        BT = block_tokens
-    else:
-        raise ValueError(f"ep_send_side: block_tokens must be a power of two >= 1, got {block_tokens!r}")
-    J = triton.cdiv(triton.cdiv(T, N), BT)  # tiles per chunk
+    BT, PP, J = tiling(T, N, P, block_tokens, "ep_send_side")
     n_tiles = N * J
-    cnt = torch.empty(2 * NP * J + n_tiles, dtype=torch.int32, device=device)
-    base = torch.empty(2 * NP * J + n_tiles + 3 * n_tiles, **i64)
-    cnt_rows, cnt_pairs, tile_rows = cnt[: NP * J], cnt[NP * J : 2 * NP * J], cnt[2 * NP * J :]
-    row_base, pair_base = base[: NP * J], base[NP * J : 2 * NP * J]
-    tile_base, tile_stats = base[2 * NP * J : 2 * NP * J + n_tiles], base[2 * NP * J + n_tiles :]
+    b = ScanBuffers.new(NP, J, n_tiles, device)
     grid = (J, N)
     st, sk = indices_TK.stride()
     KP = triton.next_power_of_2(K)
     _count_kernel[grid](
-        indices_TK, st, sk, T, N, P, L, J, cnt_rows, cnt_pairs, tile_rows, tile_stats, n_tiles, K=K, KP=KP, BT=BT, PP=PP
-    )
-    NPB = triton.next_power_of_2(NP)
-    _scan_kernel[(1,)](
-        cnt_rows,
-        cnt_pairs,
-        tile_rows,
-        NP,
-        J,
-        n_tiles,
+        indices_TK,
+        st,
+        sk,
         T,
-        row_base,
-        pair_base,
-        out.rows_NP,
-        out.pairs_NP,
-        tile_base,
-        offsets,
-        tile_stats,
-        out.minmax,
-        out.duplicate,
-        NPB=NPB,
-        TB=max(1, _SCAN_ELEMS // NPB),
-        B1=_SCAN_ELEMS,
-        num_warps=8,
+        N,
+        P,
+        L,
+        J,
+        b.cnt_rows,
+        b.cnt_pairs,
+        b.tile_rows,
+        b.tile_stats,
+        n_tiles,
+        K=K,
+        KP=KP,
+        BT=BT,
+        PP=PP,
     )
+    b.scan(NP, J, n_tiles, T, out, offsets)
     if K == 1:  # no pair of a token to compare with
         out.duplicate.fill_(-1)
     _place_kernel[grid](
@@ -449,9 +564,9 @@ def ep_send_side(
         P,
         L,
         J,
-        row_base,
-        pair_base,
-        tile_base,
+        b.row_base,
+        b.pair_base,
+        b.tile_base,
         offsets,
         order,
         send_tok,
