@@ -39,6 +39,7 @@ from .token_dispatch import (
     StartedPlan,
     TokenRounding,
     combine,
+    combine_slots,
     dispatch,
     dispatch_before_sync,
     finish_plan,
@@ -46,7 +47,6 @@ from .token_dispatch import (
     start_plan,
 )
 from .token_dispatch.slots import slots_pay
-from .token_dispatch.validation import SlotsTooSmall
 
 if TYPE_CHECKING:
     from .experts import SonicExperts
@@ -142,6 +142,7 @@ class ExpertParallelMode(DispatchMode):
     _early: EarlyDispatch | None = None  # between dispatch and compute, with slots
     plan: EPPlan | None = None  # this forward's, from dispatch (with slots: compute) on
     _slots: Slots | None = None  # the next plan's slots: from the last plan's largest token count
+    _unfinished: EarlyDispatch | None = None  # the last slotted call, from compute on (its plan: the next slots)
 
     def __init__(self, experts, options, config, group, num_experts):
         super().__init__(experts, options, config, group, num_experts)
@@ -155,6 +156,11 @@ class ExpertParallelMode(DispatchMode):
         )
 
     def preprocess(self, x_TH, routed):
+        if self._unfinished is not None:  # the last slotted call's plan: its sizes arrived long ago (no GPU wait)
+            early, self._unfinished = self._unfinished, None
+            reported, self._slots = early.error is not None, None  # exact split sizes unless the plan says otherwise
+            if not reported:  # raises here what that call's backward did not (a forward without backward)
+                self._set_plan(early.finish())
         rounded = self.rounding(routed) is not None
         routing = _unpadded(_routing(routed))
         # The plan's device work and its sizes exchange are launched here; its host sync waits in dispatch (with
@@ -209,20 +215,19 @@ class ExpertParallelMode(DispatchMode):
             return self.experts.compute_received(x_recv, scores_recv, self.plan, beside_all_to_all=beside_all_to_all)
         # the GEMMs before the host sync, which waits for the split sizes with them queued
         early, self._early = self._early, None
-        try:
-            y_recv = self.experts.compute_received_before_sync(
-                x_recv, scores_recv, early, beside_all_to_all=beside_all_to_all
-            )
-        except SlotsTooSmall as exc:  # raised on every rank alike
-            self._slots = None  # the next call plans with exact split sizes, and learns new slots
-            raise SlotsTooSmall(
-                f"{exc}. Megatron's variable_seq_lengths (--variable-seq-lengths) plans every call of the MoE layers "
-                f"with exact split sizes instead"
-            ) from exc
-        self._set_plan(early.plan)
+        early.hint = (
+            "Megatron's variable_seq_lengths (--variable-seq-lengths) plans every call of the MoE layers with exact "
+            "split sizes instead"
+        )
+        y_recv = self.experts.compute_received_before_sync(
+            x_recv, scores_recv, early, beside_all_to_all=beside_all_to_all
+        )
+        self._unfinished, self.plan = early, None
         return y_recv
 
     def combine(self, y_recv):
+        if self.plan is None:  # slotted: no host size needed
+            return combine_slots(y_recv, self._unfinished)
         return combine(y_recv, self.plan)
 
 

@@ -23,6 +23,7 @@ from sonic_megatron.token_dispatch import (
     EPInputError,
     Slots,
     combine,
+    combine_slots,
     dispatch,
     dispatch_before_sync,
     expert_parallel_experts,
@@ -118,19 +119,22 @@ def run_ep(case, rank, P, *, dtype, mode="fused", group=None, **opts):
         )
         xr, ss, early = dispatch_before_sync(x, started.scores_R, started)
         assert (xr.shape[0], ss.shape[0]) == (P * slots.rows, P * slots.pairs)
-        if before_sync:  # the experts too before the sync, over the bound of the pairs
+        if before_sync:  # no host sync in the forward: the experts over the bound of the pairs, the combine in slots
             y = local_experts_before_sync(xr, ss, w1, w2, early, backend="torch", wgrad=wgrad)
-            plan = early.plan
+            assert early.plan is None
+            out = combine_slots(y, early)
         else:
             plan = early.finish()  # the host sync, after the rows and pairs left
             y = local_experts(xr, plan.pairs_from_slots(ss), w1, w2, plan, backend="torch", wgrad=wgrad)
-        assert (plan.max_tokens, plan.row_slots, plan.pair_slots) == (max(case["T_r"]), slots.rows, slots.pairs)
-        out = combine(y, plan)
+            out = combine(y, plan)
     else:
         plan = make_plan(routing, num_experts=case["E"], group=group, x_TD=x, **opts)
         xr, sr = dispatch(x, plan)
         out = combine(local_experts(xr, sr, w1, w2, plan, backend="torch", **where), plan)
     out.backward(case["grad"][off : off + T].to(dtype))
+    if mode in ("slots", "sync_late"):
+        plan = early.plan  # made in backward without a sync
+        assert (plan.max_tokens, plan.row_slots, plan.pair_slots) == (max(case["T_r"]), slots.rows, slots.pairs)
     if wgrad is not None:
         assert w1.grad is None and wgrad.num_pending > 0
         wgrad.compute()
@@ -386,8 +390,9 @@ def _slots_overflow_worker(rank, P):
         routing, num_experts=case["E"], group=dist.group.WORLD, x_TD=x, w1_EGD=w1, w2_EDF=w2, slots=slots
     )
     xr, ss, early = dispatch_before_sync(x, started.scores_R, started)
-    try:
-        local_experts_before_sync(xr, ss, w1, w2, early, backend="torch")
+    try:  # nothing in the forward waits: the check raises in backward
+        y = local_experts_before_sync(xr, ss, w1, w2, early, backend="torch")
+        combine_slots(y, early).sum().backward()
         out["bad_expert"] = None
     except EPInputError as exc:
         out["bad_expert"] = str(exc)

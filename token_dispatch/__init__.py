@@ -52,7 +52,15 @@ from .options import EPOptions
 from .plan import EPPlan, StartedPlan, finish_plan, make_plan, start_plan
 from .rounding import ROUNDING_MODES, RoundingResult, TokenRounding, round_local, round_routing
 from .slots import Slots
-from .stepwise import EarlyDispatch, combine, dispatch, dispatch_before_sync, local_experts, local_experts_before_sync
+from .stepwise import (
+    EarlyDispatch,
+    combine,
+    combine_slots,
+    dispatch,
+    dispatch_before_sync,
+    local_experts,
+    local_experts_before_sync,
+)
 from .validation import EPInputError
 from .wgrad import DeferredWeightGrad
 
@@ -74,6 +82,7 @@ __all__ = [
     "finish_plan",
     "local_experts",
     "local_experts_before_sync",
+    "combine_slots",
     "make_plan",
     "round_local",
     "round_routing",

@@ -111,6 +111,54 @@ class Slots:
         return Slots(rows=max_tokens, pairs=max_tokens * per_row)
 
 
+@dataclass
+class SlotCombine:
+    """What the combine of rows in slots reads, with no host size (``stepwise.combine_slots``): the attributes of
+    ``EPPlan`` that ``exchange.gather_send_rows`` and ``exchange.sum_rows_per_token`` use. ``combine_order_S``: the
+    slot position of every send row in token order, over the send side's bound (entries past the real rows are
+    clamped into the buffer and never summed: ``combine_offsets`` stop each token's sum at its rows)."""
+
+    group: object
+    world_size: int
+    row_slots: int
+    num_tokens: int
+    send_token_idx_S: torch.Tensor
+    combine_order_S: torch.Tensor
+    combine_offsets: torch.Tensor
+    _meta: object = None
+
+    @property
+    def num_send_rows(self) -> int:
+        return self.world_size * self.row_slots
+
+    @staticmethod
+    def of(started) -> SlotCombine:
+        P, C, side, layout = started.world_size, started.slots.rows, started.side, started.row_layout
+        if side is None or layout is None:  # bad input on this rank: zeros of the expected sizes (the check raises)
+            device = started.row_like[2]
+            zeros = torch.zeros(0, dtype=torch.int64, device=device)
+            offsets = torch.zeros(started.num_tokens + 1, dtype=torch.int64, device=device)
+            token_idx = torch.zeros(P * C, dtype=torch.int64, device=device)
+            return SlotCombine(started.group, P, C, started.num_tokens, token_idx, zeros, offsets)
+        order = side.combine_order_R[: P * C]  # the real rows (at most P * C) come first
+        pos = layout.pos_R.index_select(0, order).clamp_(max=P * C - 1)
+        return SlotCombine(started.group, P, C, started.num_tokens, layout.token_idx, pos, side.combine_offsets)
+
+    def combine_meta(self):
+        if self._meta is None:
+            from ..kernels.routing import RoutingMetadata
+
+            order = self.combine_order_S.to(torch.int32)
+            self._meta = RoutingMetadata(
+                expert_offsets=torch.zeros(2, dtype=torch.int32, device=order.device),
+                x_gather_idx=order,
+                s_scatter_idx=order,
+                s_reverse_scatter_idx=order,
+                token_offsets=self.combine_offsets.to(torch.int32),
+            )
+        return self._meta
+
+
 def launch_slots(started, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A started plan's (``plan.start_plan`` with ``slots``) token rows (of ``x_TD``, the tokens the plan checked)
     and pair metadata into their slots, before ``finish_plan``: (received rows [P * C, D], received pair metadata

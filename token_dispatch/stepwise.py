@@ -21,12 +21,13 @@ import torch
 from ..kernels.weight_grad_pairs import WeightGradWork
 from . import engine as G
 from . import exchange as X
-from .comm import Pending
+from .comm import Pending, all_to_all
 from .options import EPOptions, resolve_options
 from .plan import EPPlan, StartedPlan, finish_plan
 from .recv_side import first_entries, scores_from_columns, slotted_recv_metadata
 from .sizes import pair_base
-from .slots import launch_slots
+from .slots import SlotCombine, launch_slots
+from .validation import EPInputError, SlotsTooSmall
 
 
 def _dispatch_backward(ctx, plan: EPPlan, dx_recv, ds_recv):
@@ -66,12 +67,32 @@ class EarlyDispatch:
         self.started: StartedPlan | None = started
         self.received_pairs: torch.Tensor | None = None  # set by the dispatch
         self.plan: EPPlan | None = None
+        self._combine: SlotCombine | None = None
+        self.error: Exception | None = None  # the header check's, once raised
+        self.hint = ""  # appended to SlotsTooSmall: the caller's way to plans that need no slots
+
+    @property
+    def combine_view(self) -> SlotCombine:
+        """The combine's view of the slots (``combine_slots``), taken before ``finish`` releases the started plan."""
+        if self._combine is None:
+            self._combine = SlotCombine.of(self.started)
+        return self._combine
 
     def finish(self) -> EPPlan:
+        """The plan (its host sync and header check, once); a failed check raises again on every later call."""
+        if self.error is not None:
+            raise self.error
         if self.plan is None:
             if self.received_pairs is None:
                 raise RuntimeError("EarlyDispatch.finish: the dispatch (dispatch_before_sync) has not run")
-            self.plan = finish_plan(self.started, self.received_pairs)
+            try:
+                self.plan = finish_plan(self.started, self.received_pairs)
+            except SlotsTooSmall as exc:
+                self.error = SlotsTooSmall(f"{exc}. {self.hint}") if self.hint else exc
+                raise self.error from exc
+            except EPInputError as exc:
+                self.error = exc
+                raise
             if self.received_pairs.is_cuda:  # the dispatch's stream made it; the experts' stream reads it
                 self.received_pairs.record_stream(torch.cuda.current_stream(self.received_pairs.device))
             self.started = self.received_pairs = None  # the plan holds what is still needed
@@ -148,9 +169,10 @@ def _experts_backward(ctx, dy_UD, x_UD, s_Q, w1, w2, hs):
 
 
 class _LocalExpertsBeforeSync(torch.autograd.Function):
-    """``_LocalExperts`` whose GEMMs are launched before the plan's host sync: over the receive metadata of the
-    slotted pairs with the device's counts (``recv_side.slotted_recv_metadata``), then the sync
-    (``early.finish()``), then what backward keeps is cut to the real pairs: the same tensors as ``_LocalExperts``."""
+    """``_LocalExperts`` with no host sync in its forward: the GEMMs run over the receive metadata of the slotted
+    pairs with the device's counts (``recv_side.slotted_recv_metadata``), over the bound of the pairs. The plan's
+    host sync (``early.finish()``) waits in backward, long after its sizes arrived; there the cached tensors are cut
+    to the real pairs (views) and the backward of exact split sizes runs."""
 
     @staticmethod
     def forward(ctx, x_UD, s_slots, w1, w2, early, ops, options):
@@ -173,22 +195,49 @@ class _LocalExpertsBeforeSync(torch.autograd.Function):
         s_all = s_slots.index_select(0, slot_of.clamp(max=s_slots.shape[0] - 1))
         with ops.reserve_sms(options.comm_sms, gemms=1):  # see local_experts
             o, h = ops.forward(x_UD, s_all, w1, w2, meta, options.activation, store_h)
-        plan = early.finish()  # the host sync, with the GEMMs queued
-        Q = plan.num_recv_pairs
-        plan._recv_meta = [first_entries(meta, Q)]
-        if h is not None and h.shape[0] > Q:
-            h = h[:Q].clone()  # the real pairs' rows come first; the bound's rows are not kept
-        ctx.plan, ctx.ops, ctx.options = plan, ops, options
+        ctx.early, ctx.meta, ctx.ops, ctx.options = early, meta, ops, options
         ctx.slot_shape = s_slots.shape
-        ctx.save_for_backward(x_UD, s_all[:Q], w1, w2, slot_of[:Q], *([h] if h is not None else []))
+        ctx.save_for_backward(x_UD, s_all, w1, w2, slot_of, *([h] if h is not None else []))
         return o
 
     @staticmethod
     def backward(ctx, dy_UD):
-        x_UD, s_Q, w1, w2, slot_of, *hs = ctx.saved_tensors
-        dx_UD, ds_Q, dw1, dw2 = _experts_backward(ctx, dy_UD, x_UD, s_Q, w1, w2, hs)
-        ds_slots = ds_Q.new_zeros(ctx.slot_shape).index_copy_(0, slot_of, ds_Q)
+        plan = ctx.early.finish()  # the plan's host sync: its sizes arrived long ago (the header check raises here)
+        Q = plan.num_recv_pairs
+        plan._recv_meta = [first_entries(ctx.meta, Q)]
+        ctx.plan, ctx.meta = plan, None
+        x_UD, s_all, w1, w2, slot_of, *hs = ctx.saved_tensors
+        dx_UD, ds_Q, dw1, dw2 = _experts_backward(ctx, dy_UD, x_UD, s_all[:Q], w1, w2, [h[:Q] for h in hs])
+        ds_slots = ds_Q.new_zeros(ctx.slot_shape).index_copy_(0, slot_of[:Q], ds_Q)
         return dx_UD, ds_slots, dw1, dw2, None, None, None
+
+
+class _CombineSlots(torch.autograd.Function):
+    """``_Combine`` for rows in slots, with no host size: the rows go back in their slots (equal splits) and each
+    token sums its rows at their slot positions in destination order (the combine order over the send side's
+    bound; the token offsets stop every sum at the real rows)."""
+
+    @staticmethod
+    def forward(ctx, y_UD, early):
+        s = early.started
+        P, C = s.world_size, s.slots.rows
+        ctx.early = early
+        back = torch.empty_like(y_UD)
+        _wait(all_to_all(back, y_UD.contiguous(), [C] * P, [C] * P, s.group, True))
+        return X.sum_rows_per_token(early.combine_view, back)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        s = ctx.early.combine_view
+        rows = X.gather_send_rows(s, grad_TD.contiguous())
+        recv = torch.empty_like(rows)
+        _wait(all_to_all(recv, rows, [s.row_slots] * s.world_size, [s.row_slots] * s.world_size, s.group, True))
+        return recv, None
+
+
+def _wait(work) -> None:
+    if work is not None:
+        work.wait()
 
 
 class _Combine(torch.autograd.Function):
@@ -299,6 +348,14 @@ def local_experts_before_sync(
         )
     ops = G.experts_ops(opts, x_recv.device)
     return _LocalExpertsBeforeSync.apply(x_recv, scores_slots, w1_EGD, w2_EDF, early, ops, opts)
+
+
+def combine_slots(y_recv: torch.Tensor, early: EarlyDispatch) -> torch.Tensor:
+    """``combine`` for ``local_experts_before_sync``'s output, before the plan's host sync: [T, D]."""
+    s = early.combine_view
+    if y_recv.dim() != 2 or y_recv.shape[0] != s.world_size * s.row_slots:
+        raise ValueError(f"combine_slots: y_recv must be [{s.world_size * s.row_slots}, D], got {tuple(y_recv.shape)}")
+    return _CombineSlots.apply(y_recv, early)
 
 
 def combine(y_recv: torch.Tensor, plan: EPPlan) -> torch.Tensor:
