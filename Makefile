@@ -11,7 +11,7 @@ PYTHON ?= python3
 TRITON_OLDEST := 3.4.0
 TRITON_TESTS := tests/test_triton_round.py tests/test_triton_interpret.py tests/test_triton_topk_softmax.py \
 	tests/test_triton_ep_send.py tests/test_token_dispatch_triton.py tests/test_shared_softmax.py tests/test_wgrad_pairs.py \
-	tests/test_triton_round_ep.py tests/test_triton_ep_send_csr.py \
+	tests/test_triton_round_ep.py tests/test_triton_ep_send_csr.py tests/test_triton_slots.py \
 	tests/test_triton_compile.py
 TRITON_OLDEST_DIR ?= $(HOME)/.cache/sonic_megatron/triton-$(TRITON_OLDEST)
 

@@ -171,10 +171,10 @@ def check(out: str) -> int:
         DeferredWeightGrad,
         Slots,
         TokenRounding,
-        combine,
+        combine_slots,
         dispatch_before_sync,
         expert_parallel_experts,
-        local_experts,
+        local_experts_before_sync,
         round_routing,
         start_plan,
     )
@@ -241,16 +241,15 @@ def check(out: str) -> int:
         wgrad = DeferredWeightGrad() if opts.pop("deferred", False) else None
         if opts.pop("rounding", False):
             opts.update(rounding=TokenRounding("nearest", tile), rounding_scores_TE=probs)
-        if opts.pop("slots", False):  # the step-wise path, rows and pairs in slots before the plan's sync
+        early = None
+        if opts.pop("slots", False):  # the step-wise path in slots, its forward without the plan's host sync
             slots = Slots.for_layer(max(c["T_r"]) + 3, L, None if c["kind"] == "flat" else K)
             started = start_plan(
                 routing, num_experts=E, group=dist.group.WORLD, x_TD=x, w1_EGD=w1, w2_EDF=w2, slots=slots
             )
             xr, ss, early = dispatch_before_sync(x, started.scores_R, started)
-            plan = early.finish()
-            assert (plan.row_slots, plan.pair_slots) == (slots.rows, slots.pairs)
-            y = local_experts(xr, plan.pairs_from_slots(ss), w1, w2, plan, backend=backend, wgrad=wgrad)
-            o = combine(y, plan)
+            y = local_experts_before_sync(xr, ss, w1, w2, early, backend=backend, wgrad=wgrad)
+            o = combine_slots(y, early)
         else:
             o, plan = expert_parallel_experts(
                 x,
@@ -265,6 +264,9 @@ def check(out: str) -> int:
                 **opts,
             )
         o.backward(c["grad"][off : off + T].to(device, bf16))
+        if early is not None:  # the plan, made in backward
+            plan = early.plan
+            assert (plan.row_slots, plan.pair_slots) == (slots.rows, slots.pairs)
         if wgrad is not None:
             wgrad.compute()
         if device.type == "cuda":

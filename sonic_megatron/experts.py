@@ -183,8 +183,8 @@ class SonicExperts(MegatronModule):
     def compute_received_before_sync(
         self, x_recv: torch.Tensor, scores_slots: torch.Tensor, early: EarlyDispatch, *, beside_all_to_all: bool
     ) -> torch.Tensor:
-        """``compute_received`` on ``dispatch_before_sync``'s slots, launched before the plan's host sync (token
-        dispatch's ``local_experts_before_sync``): ``early.plan`` is the plan afterwards."""
+        """``compute_received`` on ``dispatch_before_sync``'s slots with no host sync (token dispatch's
+        ``local_experts_before_sync``; ``combine_slots`` takes its output): ``early.plan`` exists after backward."""
         return local_experts_before_sync(
             x_recv,
             scores_slots,

@@ -132,17 +132,18 @@ class ExpertParallelMode(DispatchMode):
     token in a fixed order.
 
     Where slots pay for the layer's routing shape (``token_dispatch/slots.py``) and every micro-batch has the same
-    tokens (``variable_seq_lengths`` off), a training call after the layer's first sends the rows and pairs in slots
-    sized by the previous call before the plan's host sync, and compute launches the experts' GEMMs before it too:
-    the host waits for the split sizes with those GEMMs queued (under Megatron's 1F1B EP overlap also behind the
-    other micro-batch's MLP backward), so the sync no longer empties the GPU's queue. Calls with token rounding or
+    tokens (``variable_seq_lengths`` off), a training call after the layer's first has no host sync in its forward:
+    the rows and pairs travel in slots sized by the previous call, the experts' GEMMs run over the bound of the
+    pairs and the combine reads the slots; the plan's sync (split sizes, header check) waits in the experts'
+    backward, or at the layer's next call if no backward ran. A sync per layer call would empty the GPU's queue and
+    the host's lead with it, and the rest of the forward would be paced by the host. Calls with token rounding or
     without gradients use exact split sizes."""
 
     _started: StartedPlan | None = None  # between preprocess and dispatch
     _early: EarlyDispatch | None = None  # between dispatch and compute, with slots
     plan: EPPlan | None = None  # this forward's, from dispatch (with slots: compute) on
     _slots: Slots | None = None  # the next plan's slots: from the last plan's largest token count
-    _unfinished: EarlyDispatch | None = None  # the last slotted call, from compute on (its plan: the next slots)
+    _unfinished: EarlyDispatch | None = None  # the last slotted call, from compute on (its plan sizes the next slots)
 
     def __init__(self, experts, options, config, group, num_experts):
         super().__init__(experts, options, config, group, num_experts)

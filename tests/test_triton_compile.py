@@ -46,6 +46,7 @@ KERNELS = {
     ("token_dispatch.triton_send", "_place_kernel"),
     ("token_dispatch.triton_send_csr", "_count_csr_kernel"),
     ("token_dispatch.triton_send_csr", "_place_csr_kernel"),
+    ("token_dispatch.triton_slots", "_slot_layout_kernel"),
 }
 
 _TYPES = {
@@ -135,7 +136,14 @@ def _drive():
 
     from sonic_megatron.kernels.routing import FlatRouting, TopKRouting, compute_metadata_torch
     from sonic_megatron.kernels.triton.wgrad_merge import merge_rows_triton
-    from sonic_megatron.token_dispatch import triton_recv, triton_round, triton_round_ep, triton_send, triton_send_csr
+    from sonic_megatron.token_dispatch import (
+        triton_recv,
+        triton_round,
+        triton_round_ep,
+        triton_send,
+        triton_send_csr,
+        triton_slots,
+    )
 
     # the package exports functions of the modules' names: the modules themselves
     bf16_split, gather_sum, metadata, shared_softmax, topk_softmax = (
@@ -182,6 +190,7 @@ def _drive():
     meta_QC = torch.tensor([[0, 0, 0], [1, 1, 0], [1, 2, 0]] * 2, dtype=torch.int32)
     kw = dict(rank=0, world_size=2, num_local_experts=4, num_chunks=1, pair_base=32, num_recv_rows=4)
     triton_recv.ep_recv_rows_keys(meta_QC, counts, **kw)
+    triton_slots.slot_layout_triton(torch.arange(6), torch.tensor([2, 3]), 2, 3)  # the slots of a send side
     assert isinstance(side, tuple) and isinstance(rounded, FlatRouting)
 
 

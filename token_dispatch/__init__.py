@@ -29,8 +29,10 @@ Refinements of the team contract (all contract names work as specified):
         x_recv, scores_slots, early = dispatch_before_sync(x_TD, started.scores_R, started)  # no host wait
         plan = early.finish()                          # the host sync: split sizes, header check
         y_recv = local_experts(x_recv, plan.pairs_from_slots(scores_slots), w1, w2, plan, options=opts)
-        # or the experts' GEMMs before the sync, which then waits with them queued (early.plan afterwards):
+        y_TD = combine(y_recv, plan)
+        # or a forward with no host sync (the plan's sync and header check wait in backward; early.plan after it):
         y_recv = local_experts_before_sync(x_recv, scores_slots, w1, w2, early, options=opts)
+        y_TD = combine_slots(y_recv, early)
   * ``expert_parallel_experts(..., return_plan=True)`` also returns the ``EPPlan``.
   * ``DeferredWeightGrad(sink=...)``: pass as ``EPOptions.wgrad``; ``wgrad.compute()`` runs the deferred dW GEMMs
     and hands each result to the sink (default: ``.grad``).

@@ -7,21 +7,23 @@ at most one row per source token, so C = the most tokens any rank has is always 
 min(K, L) pairs per row (top-K routing; L otherwise). The splits are then C and Cq everywhere, host-known before
 the sync, so the whole dispatch runs before it (``launch_slots``), and so can the experts' GEMMs: their receive
 metadata comes from the slotted pairs and the device's copy of the counts, over the bound P * Cq of the pairs
-(``recv_side.slotted_recv_metadata``, ``stepwise.local_experts_before_sync``). The host then waits for the sizes
-with those GEMMs queued (under Megatron's 1F1B EP overlap also behind the other micro-batch's MLP backward)
-instead of with an empty GPU queue. Where the receive metadata is built after the sync instead, the received pairs
-are compacted first (``EPPlan.pairs_from_slots``). The rows stay where they are: the receive metadata, the GEMMs
-and the combine read the slots' layout (row j of slot p is source p's j-th row, rows past a slot's count belong to
-no pair), and the rows back (the combine, and both directions in backward) use the same slots.
+(``recv_side.slotted_recv_metadata``, ``stepwise.local_experts_before_sync``), and so can the combine
+(``stepwise.combine_slots``): the forward needs no host size at all, and the plan's host sync waits in the experts'
+backward, long after the sizes arrived. Where the receive metadata is built after the sync instead, the received
+pairs are compacted first (``EPPlan.pairs_from_slots``). The rows stay where they are: the receive metadata, the
+GEMMs and the combine read the slots' layout (row j of slot p is source p's j-th row, rows past a slot's count
+belong to no pair), and the rows back (the combine, and both directions in backward) use the same slots.
 
-The price is wire bytes: a slot is sent whole, also where a source sends few of its tokens to a destination.
+The price is wire bytes: a slot is sent whole, also where a source sends few of its tokens to a destination; and
+memory: H (the up-projection's output, kept for backward) is sized by the bound P * Cq of the pairs until backward.
 ``slots_pay`` decides it once per layer from the routing's shape (with top-K routing a token reaches most ranks
 of a small group, so the slots are nearly full).
 
 C and Cq must be the same on every rank before the sync, so they come from what every rank shares: the previous
 plan of the same layer (every rank saw every rank's token count in its header, ``EPPlan.max_tokens``) and the
 model's top-K. Header fields 21 and 22 carry them, so ranks that launched different slots raise together; a call
-whose counts do not fit raises on every rank (the rows have left: there is no exact fallback after the sync).
+whose counts do not fit raises on every rank where its plan is finished (the rows have left: there is no exact
+fallback), in backward when the GEMMs ran before the sync.
 
 Shape legend: see ``send_side.py`` (T, P, L, K, R, S); C rows and Cq pairs per slot.
 """

@@ -2,8 +2,9 @@
 autograd node linked only through tensors, built from the engine's pieces (``engine.py``). Shape legend: see
 ``send_side.py`` and ``plan.py``; one buffer holds all chunks in receive order, so the step-wise form runs every
 chunk's all-to-all at once (no pipelining: that is ``expert_parallel_experts``' job). ``dispatch_before_sync`` is
-``dispatch`` for a plan started with slots (``slots.py``): it runs before the plan's host sync, which then waits in
-``EarlyDispatch.finish()``. Weight gradients of ``local_experts`` run right after dX is computed; ``options.wgrad``
+``dispatch`` for a plan started with slots (``slots.py``): it runs before the plan's host sync, and with
+``local_experts_before_sync`` and ``combine_slots`` the forward has none: ``EarlyDispatch.finish()`` runs in the
+experts' backward. Weight gradients of ``local_experts`` run right after dX is computed; ``options.wgrad``
 defers them to ``DeferredWeightGrad.compute()``.
 
 Errors: every step runs between collectives, so nothing here may raise on one rank alone. The plan checks x, the
@@ -330,10 +331,11 @@ def local_experts_before_sync(
     options: EPOptions | None = None,
     **option_kw,
 ) -> torch.Tensor:
-    """``local_experts`` on ``dispatch_before_sync``'s outputs, its GEMMs launched before the plan's host sync:
-    they run over an upper bound of the pairs (the device's counts say how many are real; buffers sized by the
-    bound cost no GEMM tiles), then ``early.finish()`` waits for the sizes with the GEMMs already queued, and only
-    the real pairs' H is kept. Returns y_recv [P * C, D]; ``early.plan`` is the plan from then on (``combine``).
+    """``local_experts`` on ``dispatch_before_sync``'s outputs with no host sync: the GEMMs run over an upper bound
+    of the pairs (the device's counts say how many are real; buffers sized by the bound cost no GEMM tiles; H is
+    kept at the bound until backward). Returns y_recv [P * C, D] for ``combine_slots``. Its backward runs
+    ``early.finish()`` (the plan's host sync and header check: the sizes arrived long before) and then the backward
+    of exact split sizes; ``early.plan`` is the plan from then on.
     Options as ``local_experts``. Top-K routing sums a row's pairs as exact split sizes do (same bits); other
     routings block them by the bound."""
     opts = resolve_options("local_experts_before_sync", options, option_kw)
