@@ -11,7 +11,17 @@ import torch
 import torch.distributed as dist
 from _dist import part, part_results, poison_uninitialized_memory, run_distributed_once
 from sonic_megatron.kernels import FlatRouting, TopKRouting, moe_experts
-from sonic_megatron.token_dispatch import TokenRounding, expert_parallel_experts, make_plan, round_routing
+from sonic_megatron.token_dispatch import (
+    Slots,
+    TokenRounding,
+    combine_slots,
+    dispatch_before_sync,
+    expert_parallel_experts,
+    local_experts_before_sync,
+    make_plan,
+    round_routing,
+    start_plan,
+)
 
 E, K, D, F = 8, 2, 8, 4
 
@@ -158,6 +168,25 @@ def _rounding_worker(rank, P):
         )
         o.backward(p["grad"][off : off + T])
         recv_counts = sum(torch.diff(m.expert_offsets.long()) for m in plan.recv_meta)
+        grads = (o.detach(), x.grad, logits.grad, w1.grad, w2.grad)
+        # The step-wise form in slots (sized for the pairs rounding adds), its forward without a host sync.
+        x, logits, w1, w2 = (t.detach().clone().requires_grad_() for t in (x, logits, w1, w2))
+        probs, routing = probs_and_routing(logits, p["ties"])
+        slots = Slots.for_layer(max(T_r), L, K, rounding_tile=rounding.tile)
+        started = start_plan(
+            routing,
+            num_experts=E,
+            group=dist.group.WORLD,
+            rounding=rounding,
+            rounding_scores_TE=probs,
+            x_TD=x,
+            w1_EGD=w1,
+            w2_EDF=w2,
+            slots=slots,
+        )
+        xr, ss, early = dispatch_before_sync(x, started.scores_R, started)
+        o = combine_slots(local_experts_before_sync(xr, ss, w1, w2, early, backend="torch"), early)
+        o.backward(p["grad"][off : off + T])
         # The plan of the step-wise form must reach the same decision.
         plan2 = make_plan(routing, num_experts=E, group=dist.group.WORLD, rounding=rounding, rounding_scores_TE=probs)
         out[name] = dict(
@@ -165,7 +194,9 @@ def _rounding_worker(rank, P):
             same_as_stepwise=torch.equal(plan.token_idx_R, plan2.token_idx_R)
             and torch.equal(plan.expert_idx_R, plan2.expert_idx_R),
             recv_counts=recv_counts,
-            grads=(o.detach(), x.grad, logits.grad, w1.grad, w2.grad),
+            grads=grads,
+            slot_grads=(o.detach(), x.grad, logits.grad, w1.grad, w2.grad),
+            same_in_slots=torch.equal(early.plan.token_idx_R, plan2.token_idx_R),
         )
     return out
 
@@ -228,9 +259,11 @@ def test_ep_rounding_equals_single_process(ep_rounding, name):
             w1.grad[rank * L : (rank + 1) * L],
             w2.grad[rank * L : (rank + 1) * L],
         )
-        for n, a, b in zip(("out", "dx", "dlogits", "dw1", "dw2"), r[name]["grads"], want, strict=True):
-            tol = 1e-12 * max(b.abs().max().item() if b.numel() else 0.0, 1.0)
-            assert (a - b).abs().max().item() <= tol if b.numel() else a.numel() == 0, f"rank {rank} {n}"
+        assert r[name]["same_in_slots"], f"rank {rank}: another rounding in slots"
+        for form in ("grads", "slot_grads"):
+            for n, a, b in zip(("out", "dx", "dlogits", "dw1", "dw2"), r[name][form], want, strict=True):
+                tol = 1e-12 * max(b.abs().max().item() if b.numel() else 0.0, 1.0)
+                assert (a - b).abs().max().item() <= tol if b.numel() else a.numel() == 0, f"rank {rank} {form} {n}"
 
 
 # ---------------------------------------------------------------------------------------------------------

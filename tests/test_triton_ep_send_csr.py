@@ -3,6 +3,7 @@ parallelism) against its PyTorch reference (send_side.send_side_torch with padde
 field the plan reads, on CPU under TRITON_INTERPRET=1 (compiled on a GPU when present). Outputs come from
 torch.empty, poisoned here (deterministic fill), so an element the kernels forget to write shows."""
 
+import dataclasses
 import os
 
 import pytest
@@ -167,7 +168,18 @@ def _plan_with_and_without_kernels(rank, world_size):
     and from the reference; every plan field, output and gradient bitwise equal on every rank."""
     import torch.distributed as dist
     from sonic_megatron.kernels import TopKRouting
-    from sonic_megatron.token_dispatch import EPOptions, combine, dispatch, local_experts, make_plan
+    from sonic_megatron.token_dispatch import (
+        EPOptions,
+        Slots,
+        combine,
+        combine_slots,
+        dispatch,
+        dispatch_before_sync,
+        local_experts,
+        local_experts_before_sync,
+        make_plan,
+        start_plan,
+    )
     from sonic_megatron.token_dispatch import plan as plan_module
     from sonic_megatron.token_dispatch.triton_send_csr import ep_send_side_csr
 
@@ -205,8 +217,41 @@ def _plan_with_and_without_kernels(rank, world_size):
         fields = (plan.send_token_idx_S, plan.send_pair_idx, plan.combine_order_S, plan.combine_offsets)
         return sizes, (*fields, y, x.grad, logits.grad, w1.grad, w2.grad)
 
+    def run_slotted() -> tuple:
+        """One chunk, the kernels' send side, in slots sized for the pairs rounding adds, no forward sync."""
+        one = dataclasses.replace(opts, num_chunks=1)
+        plan_module.build_send_side = with_kernels
+        try:
+            x, logits = x0.clone().requires_grad_(), logits0.clone().requires_grad_()
+            w1, w2 = w10.clone().requires_grad_(), w20.clone().requires_grad_()
+            probs = logits.softmax(-1)
+            s, idx = probs.topk(K, dim=-1)
+            slots = Slots.for_layer(24, E // world_size, K, rounding_tile=one.rounding.tile)
+            started = start_plan(
+                TopKRouting(s, idx),
+                num_experts=E,
+                group=dist.group.WORLD,
+                rounding_scores_TE=probs,
+                x_TD=x,
+                w1_EGD=w1,
+                w2_EDF=w2,
+                options=one,
+                slots=slots,
+            )
+            xr, ss, early = dispatch_before_sync(x, started.scores_R, started)
+            y = combine_slots(local_experts_before_sync(xr, ss, w1, w2, early, options=one), early)
+            y.backward(grad)
+        finally:
+            plan_module.build_send_side = reference
+        return y, x.grad, logits.grad, w1.grad, w2.grad
+
     (sizes_a, a), (sizes_b, b) = run(True), run(False)
-    return sizes_a == sizes_b and all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+    same = sizes_a == sizes_b and all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+    # in slots: the exact split sizes' results (one chunk there too), bitwise
+    opts = dataclasses.replace(opts, num_chunks=1)
+    _, exact = run(True)
+    slotted = run_slotted()
+    return same and all(torch.equal(u, v) for u, v in zip(exact[4:], slotted, strict=True))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

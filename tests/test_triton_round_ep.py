@@ -115,9 +115,72 @@ def _plans(rank, P):
     return out
 
 
+def _layer_with_an_empty_rank(rank, P):
+    """The step-wise rounded layer (forward and backward) with the last rank holding no tokens, the rounding
+    through the kernels and through the reference, with exact split sizes and in slots without a forward sync:
+    every path completes on every rank (the empty rank joins every backward collective) with the reference's
+    output and gradients."""
+    import torch.distributed as dist
+    from sonic_megatron.kernels import TopKRouting
+    from sonic_megatron.token_dispatch import (
+        EPOptions,
+        Slots,
+        combine,
+        combine_slots,
+        dispatch,
+        dispatch_before_sync,
+        finish_plan,
+        local_experts,
+        local_experts_before_sync,
+        start_plan,
+    )
+    from sonic_megatron.token_dispatch import plan as plan_mod
+    from sonic_megatron.token_dispatch.rounding import TokenRounding
+    from sonic_megatron.token_dispatch.triton_round_ep import round_ep_triton
+
+    E, D, F, tile = 4 * P, 8, 4, 4
+    T = 0 if rank == P - 1 else 10 + 3 * rank
+    g = torch.Generator().manual_seed(11 + rank)
+    x0 = torch.randn(T, D, generator=g)  # fp32 throughout: the kernels take scores of at most 32 bits
+    w10 = torch.randn(E // P, 2 * F, D, generator=g)
+    w20 = torch.randn(E // P, D, F, generator=g)
+    grad = torch.randn(T, D, generator=g)
+    opts = EPOptions(backend="torch", rounding=TokenRounding("nearest", tile))
+    results, chooser = [], plan_mod.rounding_kernels
+    for fast, slotted in ((False, False), (True, False), (True, True)):
+        plan_mod.rounding_kernels = (lambda *a: round_ep_triton) if fast else (lambda *a: None)
+        scores, idx, dense = _inputs(rank, E, False, False, T, seed=3)
+        x, w1, w2 = (t.clone().requires_grad_() for t in (x0, w10, w20))
+        kw = dict(num_experts=E, group=dist.group.WORLD, rounding_scores_TE=dense, x_TD=x, w1_EGD=w1, w2_EDF=w2)
+        if slotted:
+            slots = Slots.for_layer(10 + 3 * (P - 2), E // P, K, rounding_tile=tile)
+            started = start_plan(TopKRouting(scores, idx), options=opts, slots=slots, **kw)
+            xr, ss, early = dispatch_before_sync(x, started.scores_R, started)
+            y = combine_slots(local_experts_before_sync(xr, ss, w1, w2, early, options=opts), early)
+        else:
+            plan = finish_plan(start_plan(TopKRouting(scores, idx), options=opts, **kw))
+            xr, sr = dispatch(x, plan)
+            y = combine(local_experts(xr, sr, w1, w2, plan, options=opts), plan)
+        y.backward(grad)
+        results.append([y.detach(), x.grad, scores.grad, dense.grad, w1.grad, w2.grad])
+    plan_mod.rounding_kernels = chooser
+
+    def same(a, b):  # bitwise; no gradient and an empty one are the same (a rank without tokens)
+        if a is None or b is None:
+            return (a if b is None else b) is None or (a if b is None else b).numel() == 0
+        return torch.equal(a, b)
+
+    names = ("y", "dx", "dscores", "ddense", "dw1", "dw2")
+    return [[n for n, a, b in zip(names, got, results[0], strict=True) if not same(a, b)] for got in results[1:]]
+
+
 def _worker(rank, P):
     poison_uninitialized_memory()  # an output element the kernels leave unwritten fails the comparison
-    return {"rounding": part(_compare_rounding, rank, P), "plans": part(_plans, rank, P)}
+    return {
+        "rounding": part(_compare_rounding, rank, P),
+        "plans": part(_plans, rank, P),
+        "empty_rank_layer": part(_layer_with_an_empty_rank, rank, P),
+    }
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -148,6 +211,12 @@ def test_plans_through_the_kernels_equal_the_reference_and_raise_together(runs):
         assert len(messages) == 1, (case, messages)  # every rank, either path: one message
         ref, got = messages.pop()
         assert ref == got, (case, ref, got)
+
+
+def test_a_rank_without_tokens_joins_the_rounded_layer(runs):
+    P, results = runs
+    for rank, res in enumerate(part_results(results, "empty_rank_layer")):
+        assert res == [[], []], f"rank {rank} of {P}: differ from the reference path (kernels, kernels in slots): {res}"
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -106,11 +106,15 @@ class Slots:
     pairs: int
 
     @staticmethod
-    def for_layer(max_tokens: int, num_local_experts: int, top_k: int | None) -> Slots:
+    def for_layer(max_tokens: int, num_local_experts: int, top_k: int | None, rounding_tile: int = 0) -> Slots:
         """Slots that always fit a call of at most ``max_tokens`` tokens per rank: a row per token and, per row,
-        ``top_k`` pairs for top-K routing (``None`` for any other routing: at most one pair per local expert)."""
+        ``top_k`` pairs for top-K routing (``None`` for any other routing: at most one pair per local expert).
+        ``rounding_tile``: the top-K routing is token-rounded to that tile first, which adds fewer than a tile of
+        pairs to an expert (from any source), so a slot takes ``tile - 1`` more pairs per local expert (and no more
+        rows: an added pair of a token is at most its one row on that rank)."""
         per_row = num_local_experts if top_k is None else min(top_k, num_local_experts)
-        return Slots(rows=max_tokens, pairs=max_tokens * per_row)
+        added = num_local_experts * max(rounding_tile - 1, 0)
+        return Slots(rows=max_tokens, pairs=max_tokens * per_row + added)
 
 
 @dataclass

@@ -32,18 +32,20 @@ from .validation import EPInputError, SlotsTooSmall
 
 
 def _dispatch_backward(ctx, plan: EPPlan, dx_recv, ds_recv):
-    """dispatch's backward: (dx_TD, ds_R) from the received rows' and pairs' gradients (``ds_recv`` [Q])."""
+    """dispatch's backward: (dx_TD, ds_R) from the received rows' and pairs' gradients (``ds_recv`` [Q]). Both
+    exchanges run on every rank whatever this rank's inputs need: its peers' may need them (a rank without tokens
+    can have scores without autograd), and a collective one rank skips leaves the others waiting."""
     shape, dtype, device = ctx.scores_like
-    dx_TD = ds_R = None
-    if ctx.needs_input_grad[0]:
-        dx_TD = X.sum_rows_per_token(plan, G.all_rows_back(plan, dx_recv.contiguous()))
+    rows_back = G.all_rows_back(plan, dx_recv.contiguous())
+    ds_recv = ds_recv.contiguous()
+    ds_send = ds_recv.new_empty(sum(map(sum, plan.send_pairs)))
+    pending = Pending()
+    for i in range(plan.num_stages):
+        X.pairs_to_sources(plan, X.recv_pairs(plan, ds_recv, i), ds_send, i, pending)
+    pending.wait()
+    dx_TD = X.sum_rows_per_token(plan, rows_back) if ctx.needs_input_grad[0] else None
+    ds_R = None
     if ctx.needs_input_grad[1]:
-        ds_recv = ds_recv.contiguous()
-        ds_send = ds_recv.new_empty(sum(map(sum, plan.send_pairs)))
-        pending = Pending()
-        for i in range(plan.num_stages):
-            X.pairs_to_sources(plan, X.recv_pairs(plan, ds_recv, i), ds_send, i, pending)
-        pending.wait()
         ds_R = X.scatter_pair_grads(plan, ds_send, torch.empty(shape, dtype=dtype, device=device))
     return dx_TD, ds_R
 
@@ -113,8 +115,7 @@ class _DispatchBeforeSync(torch.autograd.Function):
         plan = ctx.early.plan
         if plan is None:
             raise RuntimeError("dispatch_before_sync: backward before EarlyDispatch.finish() made the plan")
-        ds_recv = plan.pairs_from_slots(ds_slots) if ctx.needs_input_grad[1] else None
-        return (*_dispatch_backward(ctx, plan, dx_slots, ds_recv), None)
+        return (*_dispatch_backward(ctx, plan, dx_slots, plan.pairs_from_slots(ds_slots)), None)
 
 
 def _concat(per_chunk: list[torch.Tensor]) -> torch.Tensor:

@@ -226,7 +226,10 @@ def round_ep_triton(
         rounded = rounded_routing(scores_TK, dense_TE, routed_ET, scan, prefix_EB, E, tile)
     else:
         empty = torch.zeros(rounded_pairs_bound(0, 0, E, tile), dtype=torch.int64, device=device)
-        rounded = FlatRouting(empty, empty + E, scores_TK.new_zeros(empty.shape), 0, padded=True)
+        # scores with autograd to the (empty) router outputs, as on a rank with tokens: every rank's backward then
+        # runs the same nodes (and their collectives)
+        linked = scores_TK.new_zeros(empty.shape) + 0 * (scores_TK.sum() + dense_TE.sum().to(scores_TK.dtype))
+        rounded = FlatRouting(empty, empty + E, linked, 0, padded=True)
     result = RoundingResult(
         token_idx_R=rounded.token_idx_R,
         expert_idx_R=rounded.expert_idx_R,
