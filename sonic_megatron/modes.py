@@ -141,7 +141,7 @@ class ExpertParallelMode(DispatchMode):
 
     _started: StartedPlan | None = None  # between preprocess and dispatch
     _early: EarlyDispatch | None = None  # between dispatch and compute, with slots
-    plan: EPPlan | None = None  # this forward's, from dispatch (with slots: compute) on
+    plan: EPPlan | None = None  # this forward's, from dispatch on (None with slots: made in backward)
     _slots: Slots | None = None  # the next plan's slots: from the last plan's largest token count
     _unfinished: EarlyDispatch | None = None  # the last slotted call, from compute on (its plan sizes the next slots)
 
@@ -165,10 +165,10 @@ class ExpertParallelMode(DispatchMode):
         rounded = self.rounding(routed) is not None
         routing = _unpadded(_routing(routed))
         # The plan's device work and its sizes exchange are launched here; its host sync waits in dispatch (with
-        # slots: in compute), so that work a schedule queues in between (Megatron's 1F1B EP overlap: another
-        # micro-batch's backward) keeps the GPU busy while the host waits. It checks x and the experts' weights
-        # (and the backend's rules for them) on every rank together, so that the later steps find nothing to
-        # refuse on one rank alone.
+        # slots: in the experts' backward), so that work a schedule queues in between (Megatron's 1F1B EP overlap:
+        # another micro-batch's backward) keeps the GPU busy while the host waits. It checks x and the experts'
+        # weights (and the backend's rules for them) on every rank together, so that the later steps find nothing
+        # to refuse on one rank alone.
         self._started = start_plan(
             routing,
             num_experts=self.num_experts,
@@ -214,7 +214,7 @@ class ExpertParallelMode(DispatchMode):
             x_recv = x_recv.clone()
         if self._early is None:
             return self.experts.compute_received(x_recv, scores_recv, self.plan, beside_all_to_all=beside_all_to_all)
-        # the GEMMs before the host sync, which waits for the split sizes with them queued
+        # no host sync: the GEMMs over the bound of the pairs; the plan is finished in backward
         early, self._early = self._early, None
         early.hint = (
             "Megatron's variable_seq_lengths (--variable-seq-lengths) plans every call of the MoE layers with exact "
