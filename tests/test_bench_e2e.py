@@ -763,7 +763,8 @@ def test_train_specs():
 def _trace(path, iterations_us):
     """A Chrome trace: QuACK and cuBLAS GEMMs, an optimizer kernel, a Triton kernel, a copy and a memset, with
     gaps; ``iterations_us`` = the window covered. The gaps end at the gather-sum (launched inside a host op nested
-    in another), at the copy (launched inside the outer op only) and at the optimizer kernel (launch not traced)."""
+    in another), at the copy (launched inside the outer op only), at a kernel autograd's thread launched and at the
+    optimizer kernel (launch not traced)."""
     ev = [
         {"ph": "X", "cat": "kernel", "name": "kernel_cutlass_kernel_quackgemm_default_epiGemm", "ts": 0, "dur": 300},
         {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_256x128", "ts": 250, "dur": 100},  # overlaps 50
@@ -816,6 +817,25 @@ def _trace(path, iterations_us):
             "args": {"correlation": 2},
         },
         {"ph": "i", "cat": "kernel", "name": "instant", "ts": 10},
+        # a backward node on autograd's thread (tid 2), launching a kernel inside the gap before the optimizer's
+        {
+            "ph": "X",
+            "cat": "cpu_op",
+            "name": "autograd::engine::evaluate_function: MmBackward0",
+            "ts": 850,
+            "dur": 10,
+            "tid": 2,
+        },
+        {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cuLaunchKernel",
+            "ts": 852,
+            "dur": 1,
+            "tid": 2,
+            "args": {"correlation": 4},
+        },
+        {"ph": "X", "cat": "kernel", "name": "_bwd_kernel", "ts": 860, "dur": 20, "args": {"correlation": 4}},
     ]
     host = ("cpu_op", "cuda_runtime", "user_annotation")
     assert max(e["ts"] + e.get("dur", 0) for e in ev if e["cat"] not in host) == iterations_us
@@ -832,24 +852,35 @@ def test_profile_summary_per_iteration(tmp_path):
     os.makedirs(os.path.dirname(trace))
     _trace(trace, 1000)
     prof = e2e_profile.summarize_trace(trace, iterations=2)
-    # busy: 0-350 (two GEMMs overlapping), 400-500, 600-850, 900-1000 = 800 us over 2 iterations
-    assert prof["busy_ms"] == pytest.approx(0.4) and prof["idle_ms"] == pytest.approx(0.1)
+    # busy: 0-350 (two GEMMs overlapping), 400-500, 600-850, 860-880, 900-1000 = 820 us over 2 iterations
+    assert prof["busy_ms"] == pytest.approx(0.41) and prof["idle_ms"] == pytest.approx(0.09)
     fam = prof["families_ms"]
     assert fam["expert_gemms_quack"] == pytest.approx(0.15) and fam["dense_gemms"] == pytest.approx(0.05)
-    assert fam["triton"] == pytest.approx(0.05) and fam["copies"] == pytest.approx(0.1)
+    assert fam["triton"] == pytest.approx(0.06) and fam["copies"] == pytest.approx(0.1)
     assert fam["memsets"] == pytest.approx(0.025) and fam["optimizer_multi_tensor"] == pytest.approx(0.05)
     assert prof["top_kernels"][0] == {
         "name": "kernel_cutlass_kernel_quackgemm_default_epiGemm",
         "ms": pytest.approx(0.15),
         "calls": 0.5,
     }
-    # idle 350-400 before the gather-sum, 500-600 before the copy, 850-900 before the optimizer kernel
+    # idle 350-400 before the gather-sum, 500-600 before the copy, 850-860 before the backward's kernel, 880-900
+    # before the optimizer kernel
     assert prof["idle_by_launcher"] == [
         {"launcher": "aten::mm", "ms": pytest.approx(0.05), "gaps": 0.5},
         {"launcher": "aten::index [SonicFunction]", "ms": pytest.approx(0.025), "gaps": 0.5},
-        {"launcher": e2e_profile.UNKNOWN_LAUNCH, "ms": pytest.approx(0.025), "gaps": 0.5},
+        {"launcher": e2e_profile.UNKNOWN_LAUNCH, "ms": pytest.approx(0.01), "gaps": 0.5},
+        {"launcher": "autograd::engine::evaluate_function: MmBackward0", "ms": pytest.approx(0.005), "gaps": 0.5},
     ]
     assert sum(g["ms"] for g in prof["idle_by_launcher"]) == pytest.approx(prof["idle_ms"])
+    by_thread = prof["idle_by_thread_ms"]
+    assert by_thread == {
+        "main": pytest.approx(0.075),
+        "backward": pytest.approx(0.005),
+        "not_traced": pytest.approx(0.01),
+    }
+    assert "(before the main thread's launches 0.07, the backward's 0.01)" in e2e_profile.summary_text(
+        {**prof, "all_to_all_hidden_share": None}
+    )
     assert prof["nccl_ms"] == 0.0 and prof["all_to_all_ms"] == 0.0 and prof["all_to_all_hidden_share"] is None
     rows, columns = e2e_profile.table_rows([{"provider": "sonic", "profile": prof}, {"provider": "x", "profile": None}])
     assert [r["provider"] for r in rows] == ["sonic"] and columns[:3] == ["provider", "busy_ms", "idle_ms"]

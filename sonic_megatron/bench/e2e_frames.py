@@ -20,11 +20,10 @@ import bisect
 import collections
 import re
 
-from .e2e_profile import is_nccl, union
+from .e2e_profile import BACKWARD_NODE, is_nccl, union
 
 MOE_LAYER_FRAME = re.compile(r"megatron/core/transformer/moe/")  # MoELayer.forward and everything it calls
 HOST_FRAME = re.compile(r"(megatron/core/transformer/moe/|sonic_megatron/)")  # frames listed by host_frames
-BACKWARD_NODE = "autograd::engine::evaluate_function"
 TOP_FRAMES = 25
 
 

@@ -5,7 +5,9 @@ Chrome trace; ``summarize_trace`` reads it back: per iteration, the GPU's busy t
 copies and memsets) and idle time (the rest of the window from the first GPU event to the last), the time of each
 kernel family (``FAMILIES``), the kernels that took the most, and where the GPU waited: each idle gap is charged
 to the host op that launched the GPU event ending it (the innermost ``cpu_op`` around its CUDA runtime call), which
-tells a gap behind a host sync or a host-bound stretch from one inside a layer. The communication: the time of NCCL's
+tells a gap behind a host sync or a host-bound stretch from one inside a layer, and to that call's thread (the main
+one runs the forward and the optimizer, autograd's the backward: a host sync in the forward shows as idle before the
+main thread's launches). The communication: the time of NCCL's
 kernels (the union of their intervals), of the all-to-all ones among them (``torch.distributed.all_to_all_single``
 runs as NCCL's grouped sends and receives, ``ncclDevKernel_SendRecv``), and the share of the all-to-all time during
 which a compute kernel (any kernel but NCCL's; copies and memsets are not compute) runs beside it on the same GPU:
@@ -53,6 +55,8 @@ NCCL_PREFIX = "nccl"
 # all_to_all_single is a group of point-to-point sends and receives in NCCL: one SendRecv kernel per call.
 ALL_TO_ALL_MARKERS = ("sendrecv", "alltoall")
 PROFILER_STEP = re.compile(r"ProfilerStep#(\d+)")
+# The host op autograd's engine runs each backward node in; its thread launches the backward's kernels.
+BACKWARD_NODE = "autograd::engine::evaluate_function"
 
 Interval = tuple[float, float]
 
@@ -275,6 +279,21 @@ def comm_unions(gpu: list[dict]) -> dict[str, list[list[Interval]]]:
     return out
 
 
+def _launch_threads(events: list[dict]) -> dict:
+    """correlation id -> "backward" where the CUDA call that launched that GPU event ran on a thread of autograd's
+    engine (one that runs ``BACKWARD_NODE`` ops), else "main" (the forward, the optimizer, the schedule)."""
+    backward = {
+        e.get("tid") for e in events if e.get("cat") == "cpu_op" and str(e.get("name", "")).startswith(BACKWARD_NODE)
+    }
+    return {
+        e["args"]["correlation"]: "backward" if e.get("tid") in backward else "main"
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") in ("cuda_runtime", "cuda_driver")
+        and "correlation" in (e.get("args") or {})
+    }
+
+
 def _launch_times(events: list[dict]) -> dict:
     """correlation id -> host time of the CUDA runtime call that launched that GPU event."""
     return {
@@ -355,18 +374,21 @@ def summarize_trace(path: str, iterations: int) -> dict:
     )
     if not gpu:
         raise ValueError(f"{path}: no GPU events (was the run on CUDA, and did the profiler window close?)")
-    launchers = _launchers(events)
+    launchers, threads = _launchers(events), _launch_threads(events)
     start, end = gpu[0]["ts"], max(e["ts"] + e["dur"] for e in gpu)
     busy, covered = 0.0, start
     families: dict[str, float] = collections.defaultdict(float)
     kernels: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
     idle_by: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    idle_thread = {"main": 0.0, "backward": 0.0, "not_traced": 0.0}
     for e in gpu:
         s, f = e["ts"], e["ts"] + e["dur"]
-        if s > covered:  # an idle gap, ended by e: charge it to e's launcher
-            launcher = launchers.get((e.get("args") or {}).get("correlation"), UNKNOWN_LAUNCH)
+        if s > covered:  # an idle gap, ended by e: charge it to e's launcher and its thread
+            corr = (e.get("args") or {}).get("correlation")
+            launcher = launchers.get(corr, UNKNOWN_LAUNCH)
             idle_by[launcher][0] += s - covered
             idle_by[launcher][1] += 1
+            idle_thread[threads.get(corr, "not_traced")] += s - covered
         if f > covered:
             busy += f - max(s, covered)
             covered = f
@@ -387,6 +409,7 @@ def summarize_trace(path: str, iterations: int) -> dict:
         "families_ms": {k: v * per_iter_ms for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": n, "ms": t * per_iter_ms, "calls": c / iterations} for n, (t, c) in top],
         "idle_by_launcher": [{"launcher": n, "ms": t * per_iter_ms, "gaps": c / iterations} for n, (t, c) in gaps],
+        "idle_by_thread_ms": {k: v * per_iter_ms for k, v in idle_thread.items()},
         "host_top_ops": host_top_ops(events, iterations),
         **frames_summary(events, gpu, iterations),
     }
@@ -429,11 +452,20 @@ def _share_text(share: float | None) -> str:
 def summary_text(prof: dict) -> str:
     """The communication part of a provider's summary line, per iteration."""
     return (
-        f"GPU idle {prof['idle_ms']:.2f} ms/iter, host waiting for the GPU {prof['host_wait_ms']:.2f} ms/iter "
+        f"GPU idle {prof['idle_ms']:.2f} ms/iter{_idle_threads_text(prof)}, host waiting for the GPU "
+        f"{prof['host_wait_ms']:.2f} ms/iter "
         f"(in other ops {prof['host_ops_ms']:.2f}), "
         f"NCCL {prof['nccl_ms']:.2f} ms/iter (all-gather {prof['all_gather_ms']:.2f}), all-to-all "
         f"{prof['all_to_all_ms']:.2f} ms/iter ({_share_text(prof['all_to_all_hidden_share'])})"
     )
+
+
+def _idle_threads_text(prof: dict) -> str:
+    """Where the idle gaps end: in work the main thread launched (forward, optimizer) or autograd's (backward)."""
+    by = prof.get("idle_by_thread_ms")
+    if not by:
+        return ""
+    return f" (before the main thread's launches {by['main']:.2f}, the backward's {by['backward']:.2f})"
 
 
 def window_lines(provider: str, prof: dict) -> list[str]:
