@@ -200,8 +200,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="profile each provider's last N iterations (Megatron's --profile --use-pytorch-profiler) and report "
         "GPU busy / idle time, NCCL and all-to-all kernel time and the share of the all-to-all time hidden behind "
-        "compute kernels (also per iteration window), time per kernel family and idle time per launching host op, "
-        "per iteration; those iterations, the profiler's warm-up one and the last one are not timed (default 0: off)",
+        "compute kernels (also per iteration window), time per kernel family and idle time per launching host op "
+        "and thread (forward and optimizer, or backward), per iteration; those iterations, the profiler's warm-up "
+        "one and the last one are not timed (default 0: off)",
     )
     parser.add_argument(
         "--profile-stacks",
