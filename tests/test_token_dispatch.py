@@ -110,8 +110,8 @@ def run_ep(case, rank, P, *, dtype, mode="fused", group=None, **opts):
         out = expert_parallel_experts(
             x, routing, w1, w2, group=group, num_experts=case["E"], backend="torch", **where, **opts
         )
-    elif mode in ("slots", "sync_late"):  # rows and pairs in slots of the largest T + slot_extra rows, before the sync
-        before_sync = mode == "sync_late"
+    elif mode in ("slots", "sync_free"):  # rows and pairs in slots of the largest T + slot_extra rows, before the sync
+        before_sync = mode == "sync_free"
         top_k = routing.indices_TK.shape[1] if isinstance(routing, TopKRouting) else None
         slots = Slots.for_layer(max(case["T_r"]) + opts.pop("slot_extra"), case["E"] // P, top_k)
         started = start_plan(
@@ -132,7 +132,7 @@ def run_ep(case, rank, P, *, dtype, mode="fused", group=None, **opts):
         xr, sr = dispatch(x, plan)
         out = combine(local_experts(xr, sr, w1, w2, plan, backend="torch", **where), plan)
     out.backward(case["grad"][off : off + T].to(dtype))
-    if mode in ("slots", "sync_late"):
+    if mode in ("slots", "sync_free"):
         plan = early.plan  # made in backward without a sync
         assert (plan.max_tokens, plan.row_slots, plan.pair_slots) == (max(case["T_r"]), slots.rows, slots.pairs)
     if wgrad is not None:
@@ -212,11 +212,11 @@ def _equivalence_worker(rank, P):
         "slots_empty_rank": ("empty_rank", {"mode": "slots", "slot_extra": 1}),
         "slots_one_expert_deferred": ("one_expert", {"mode": "slots", "slot_extra": 2, "deferred": True}),
         "slots_flat": ("flat", {"mode": "slots", "slot_extra": 1}),
-        "sync_late": ("random", {"mode": "sync_late", "slot_extra": 2}),
-        "sync_late_skewed_full": ("skewed", {"mode": "sync_late", "slot_extra": 0}),
-        "sync_late_empty_rank_deferred": ("empty_rank", {"mode": "sync_late", "slot_extra": 1, "deferred": True}),
-        "sync_late_one_expert": ("one_expert", {"mode": "sync_late", "slot_extra": 3}),
-        "sync_late_flat": ("flat", {"mode": "sync_late", "slot_extra": 1}),
+        "sync_free": ("random", {"mode": "sync_free", "slot_extra": 2}),
+        "sync_free_skewed_full": ("skewed", {"mode": "sync_free", "slot_extra": 0}),
+        "sync_free_empty_rank_deferred": ("empty_rank", {"mode": "sync_free", "slot_extra": 1, "deferred": True}),
+        "sync_free_one_expert": ("one_expert", {"mode": "sync_free", "slot_extra": 3}),
+        "sync_free_flat": ("flat", {"mode": "sync_free", "slot_extra": 1}),
         "hook_kept_chunks3": ("random", {"num_chunks": 3, "hook": "kept"}),
         "stepwise_hook_kept_chunks2_empty_rank": ("empty_rank", {"mode": "stepwise", "num_chunks": 2, "hook": "kept"}),
     }
@@ -264,8 +264,8 @@ def _equivalence_worker(rank, P):
     base = base["stepwise"]
     other = run_ep(case, rank, P, dtype=torch.bfloat16, mode="slots", slot_extra=5)
     res["same_bits/slots"] = all(torch.equal(u, v) for u, v in zip(base, other, strict=True))
-    other = run_ep(case, rank, P, dtype=torch.bfloat16, mode="sync_late", slot_extra=4)
-    res["same_bits/sync_late"] = all(torch.equal(u, v) for u, v in zip(base, other, strict=True))
+    other = run_ep(case, rank, P, dtype=torch.bfloat16, mode="sync_free", slot_extra=4)
+    res["same_bits/sync_free"] = all(torch.equal(u, v) for u, v in zip(base, other, strict=True))
     return res
 
 
@@ -312,11 +312,11 @@ F64_CASES = (
     "slots_empty_rank",
     "slots_one_expert_deferred",
     "slots_flat",
-    "sync_late",
-    "sync_late_skewed_full",
-    "sync_late_empty_rank_deferred",
-    "sync_late_one_expert",
-    "sync_late_flat",
+    "sync_free",
+    "sync_free_skewed_full",
+    "sync_free_empty_rank_deferred",
+    "sync_free_one_expert",
+    "sync_free_flat",
     "hook_kept_chunks3",
     "stepwise_hook_kept_chunks2_empty_rank",
 )
@@ -349,7 +349,7 @@ def test_repeated_runs_bitwise_equal(P):
         "bitwise/stepwise",
         "bitwise/slots",
         "same_bits/slots",
-        "same_bits/sync_late",
+        "same_bits/sync_free",
         "same_bits/redispatch",
         "same_bits/deferred",
         "same_bits/comm_sms",
