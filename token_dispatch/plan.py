@@ -54,7 +54,7 @@ from .recv_side import (
     scores_from_columns,
 )
 from .rounding import RoundingResult, TokenRounding, round_routing_padded
-from .send_side import SendSide, build_send_side, flat_routing, triton_send_side
+from .send_side import SendSide, build_send_side, combine_metadata, flat_routing, triton_send_side
 from .sizes import (
     SizesInFlight,
     check_slots_fit,
@@ -188,14 +188,7 @@ class EPPlan:
         """The combine sum as routing metadata for the kernels' gather-sum: "pairs" are (token, destination)
         rows in token order (``combine_order_S``), CSR ``combine_offsets`` per token."""
         if "combine_meta" not in self._offsets:
-            order = self.combine_order_S.to(torch.int32)
-            self._offsets["combine_meta"] = RoutingMetadata(
-                expert_offsets=torch.zeros(2, dtype=torch.int32, device=order.device),
-                x_gather_idx=order,
-                s_scatter_idx=order,
-                s_reverse_scatter_idx=order,
-                token_offsets=self.combine_offsets.to(torch.int32),
-            )
+            self._offsets["combine_meta"] = combine_metadata(self.combine_order_S, self.combine_offsets)
         return self._offsets["combine_meta"]
 
     @property

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.routing import TopKRouting, flatten_routing, run_offsets
+from ..kernels.routing import RoutingMetadata, TopKRouting, flatten_routing, run_offsets
 
 
 def flat_routing(routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,6 +67,20 @@ class SendSide:
     rows_NP: torch.Tensor  # int64 [N*P]: send rows per segment
     pairs_NP: torch.Tensor  # int64 [N*P]: pairs per segment
     index_stats: object = None  # triton_send.IndexStats where the kernels computed them, else None
+
+
+def combine_metadata(combine_order_S: torch.Tensor, combine_offsets: torch.Tensor) -> RoutingMetadata:
+    """The combine sum as routing metadata for the kernels' gather-sum: "pairs" are a token's returned rows in
+    destination order (``combine_order_S``: their positions in the returned buffer), CSR ``combine_offsets`` per
+    token."""
+    order = combine_order_S.to(torch.int32)
+    return RoutingMetadata(
+        expert_offsets=torch.zeros(2, dtype=torch.int32, device=order.device),
+        x_gather_idx=order,
+        s_scatter_idx=order,
+        s_reverse_scatter_idx=order,
+        token_offsets=combine_offsets.to(torch.int32),
+    )
 
 
 def _send_layout(tok_R, exp_R, T, L, P, N, padded=False):

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .comm import Pending, all_to_all
+from .send_side import combine_metadata
 
 # The smallest expected share of a slot's rows that carry a token for ``slots_pay``: at 0.8 the slots send at most
 # a quarter more bytes than the exact splits.
@@ -152,16 +153,7 @@ class SlotCombine:
 
     def combine_meta(self):
         if self._meta is None:
-            from ..kernels.routing import RoutingMetadata
-
-            order = self.combine_order_S.to(torch.int32)
-            self._meta = RoutingMetadata(
-                expert_offsets=torch.zeros(2, dtype=torch.int32, device=order.device),
-                x_gather_idx=order,
-                s_scatter_idx=order,
-                s_reverse_scatter_idx=order,
-                token_offsets=self.combine_offsets.to(torch.int32),
-            )
+            self._meta = combine_metadata(self.combine_order_S, self.combine_offsets)
         return self._meta
 
 

@@ -225,7 +225,7 @@ class _CombineSlots(torch.autograd.Function):
         P, C = s.world_size, s.slots.rows
         ctx.early = early
         back = torch.empty_like(y_UD)
-        _wait(all_to_all(back, y_UD.contiguous(), [C] * P, [C] * P, s.group, True))
+        all_to_all(back, y_UD.contiguous(), [C] * P, [C] * P, s.group)
         return X.sum_rows_per_token(early.combine_view, back)
 
     @staticmethod
@@ -233,13 +233,8 @@ class _CombineSlots(torch.autograd.Function):
         s = ctx.early.combine_view
         rows = X.gather_send_rows(s, grad_TD.contiguous())
         recv = torch.empty_like(rows)
-        _wait(all_to_all(recv, rows, [s.row_slots] * s.world_size, [s.row_slots] * s.world_size, s.group, True))
+        all_to_all(recv, rows, [s.row_slots] * s.world_size, [s.row_slots] * s.world_size, s.group)
         return recv, None
-
-
-def _wait(work) -> None:
-    if work is not None:
-        work.wait()
 
 
 class _Combine(torch.autograd.Function):
