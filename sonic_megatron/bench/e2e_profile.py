@@ -129,13 +129,10 @@ def _launchers(events: list[dict]) -> dict:
     ops = _HostOps([e for e in host if e["cat"] == "cpu_op"])
     contexts = _HostOps([e for e in host if _is_context(e)])
     out = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver"):
-            corr = (e.get("args") or {}).get("correlation")
-            if corr is not None:
-                op = ops.around(e.get("tid"), e["ts"]) or e["name"]
-                context = contexts.around(e.get("tid"), e["ts"])
-                out[corr] = f"{op} [{context}]" if context and context != op else op
+    for corr, e in _launch_calls(events).items():
+        op = ops.around(e.get("tid"), e["ts"]) or e["name"]
+        context = contexts.around(e.get("tid"), e["ts"])
+        out[corr] = f"{op} [{context}]" if context and context != op else op
     return out
 
 
@@ -279,30 +276,29 @@ def comm_unions(gpu: list[dict]) -> dict[str, list[list[Interval]]]:
     return out
 
 
+def _launch_calls(events: list[dict]) -> dict:
+    """correlation id -> the CUDA runtime (or driver) call that launched that GPU event."""
+    return {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") in ("cuda_runtime", "cuda_driver")
+        and (e.get("args") or {}).get("correlation") is not None
+    }
+
+
 def _launch_threads(events: list[dict]) -> dict:
     """correlation id -> "backward" where the CUDA call that launched that GPU event ran on a thread of autograd's
     engine (one that runs ``BACKWARD_NODE`` ops), else "main" (the forward, the optimizer, the schedule)."""
     backward = {
         e.get("tid") for e in events if e.get("cat") == "cpu_op" and str(e.get("name", "")).startswith(BACKWARD_NODE)
     }
-    return {
-        e["args"]["correlation"]: "backward" if e.get("tid") in backward else "main"
-        for e in events
-        if e.get("ph") == "X"
-        and e.get("cat") in ("cuda_runtime", "cuda_driver")
-        and "correlation" in (e.get("args") or {})
-    }
+    return {c: "backward" if e.get("tid") in backward else "main" for c, e in _launch_calls(events).items()}
 
 
 def _launch_times(events: list[dict]) -> dict:
     """correlation id -> host time of the CUDA runtime call that launched that GPU event."""
-    return {
-        e["args"]["correlation"]: e["ts"]
-        for e in events
-        if e.get("ph") == "X"
-        and e.get("cat") in ("cuda_runtime", "cuda_driver")
-        and "correlation" in (e.get("args") or {})
-    }
+    return {c: e["ts"] for c, e in _launch_calls(events).items()}
 
 
 def iteration_windows(events: list[dict], gpu: list[dict], end: float) -> list[tuple[int, float, float]]:
