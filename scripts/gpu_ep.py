@@ -378,6 +378,7 @@ def check(out: str) -> int:
     all_reports = [None] * P
     dist.all_gather_object(all_reports, report)
     if rank == 0:
+        os.makedirs(out, exist_ok=True)
         path = os.path.join(out, f"check_ep{P}.json")
         with open(path, "w") as f:
             json.dump(all_reports, f, indent=2)

@@ -525,6 +525,33 @@ def test_group_none_is_single_process():
             assert _max_err(a, b) <= 1e-12 * max(_scale(b), 1.0), f"{mode} {n}"
 
 
+def test_blocking_all_to_all_takes_no_work_from_nccl(monkeypatch):
+    """The blocking all-to-all (the slotted combine's) on a group whose blocking collective returns no work
+    (NCCL: already ordered on the current stream) returns without waiting; a returned work is waited for."""
+    from sonic_megatron.token_dispatch import comm
+
+    class Work:
+        waited = 0
+
+        def wait(self):
+            Work.waited += 1
+
+    for returned, waits in ((None, 0), (Work(), 1)):
+        Work.waited = 0
+        calls = []
+
+        def collective(out, inp, out_splits, in_splits, opts, returned=returned, calls=calls):
+            calls.append(opts.asyncOp)
+            out.copy_(inp)
+            return returned
+
+        monkeypatch.setattr(comm, "group_size", lambda group: 2)
+        monkeypatch.setattr(comm, "_group_all_to_all", lambda group: collective)
+        out, inp = torch.zeros(4), torch.arange(4.0)
+        assert comm.all_to_all(out, inp, [2, 2], [2, 2], group=object()) is None
+        assert calls == [False] and Work.waited == waits and torch.equal(out, inp)
+
+
 def test_weight_grads_run_while_backward_all_to_all_in_flight(monkeypatch):
     """Schedule of the pipelined backward: chunk c's dW GEMMs start after its dX/dS all-to-alls are
     launched and before anything waits for them; forward launches every dispatch before computing."""

@@ -69,7 +69,8 @@ def all_to_all(
     work = _group_all_to_all(group)(out, inp, list(out_splits), list(in_splits), opts)
     if async_op:
         return work
-    work.wait()
+    if work is not None:  # NCCL's blocking form returns no work: it is already ordered on the current stream
+        work.wait()
     return None
 
 
