@@ -136,8 +136,10 @@ class ExpertParallelMode(DispatchMode):
     the rows and pairs travel in slots sized by the previous call, the experts' GEMMs run over the bound of the
     pairs and the combine reads the slots; the plan's sync (split sizes, header check) waits in the experts'
     backward, or at the layer's next call if no backward ran. A sync per layer call would empty the GPU's queue and
-    the host's lead with it, and the rest of the forward would be paced by the host. Calls with token rounding or
-    without gradients use exact split sizes."""
+    the host's lead with it, and the rest of the forward would be paced by the host. Token-rounded calls use slots
+    that fit the rounding's added pairs. Calls without gradients, and every call under Megatron's 1F1B EP overlap
+    (where another micro-batch's backward keeps the GPU busy while the host waits for the sizes, and the bound's
+    larger GEMMs and slots cost more than the sync), use exact split sizes."""
 
     _started: StartedPlan | None = None  # between preprocess and dispatch
     _early: EarlyDispatch | None = None  # between dispatch and compute, with slots
@@ -149,7 +151,8 @@ class ExpertParallelMode(DispatchMode):
         super().__init__(experts, options, config, group, num_experts)
         P = torch.distributed.get_world_size(group)
         self._slots_pay = slots_pay(num_experts, config.moe_router_topk, P)
-        self._slot_shape = (num_experts // P, config.moe_router_topk)  # L, K
+        tile = options.rounding.tile if options.rounding is not None else 0
+        self._slot_shape = (num_experts // P, config.moe_router_topk, tile)  # L, K, rounding tile
         # what the plan reads of token_dispatch's options, with and without this layer's rounding
         self._plan_options = options.ep
         self._rounded_plan_options = (
@@ -178,7 +181,7 @@ class ExpertParallelMode(DispatchMode):
             w1_EGD=self.experts.weight1,
             w2_EDF=self.experts.weight2,
             options=self._rounded_plan_options if rounded else self._plan_options,
-            slots=self._slots if not rounded and isinstance(routing, TopKRouting) and torch.is_grad_enabled() else None,
+            slots=self._slots if isinstance(routing, TopKRouting) and torch.is_grad_enabled() else None,
         )
         # The routing actually used (after rounding: padded, real pairs first), with autograd to the router; with
         # bad input on this rank an empty placeholder: dispatch raises on every rank before reading it.
@@ -205,7 +208,7 @@ class ExpertParallelMode(DispatchMode):
         """This forward's plan, and the next call's slots from it."""
         self.plan = plan
         fixed_tokens = not getattr(self.config, "variable_seq_lengths", False)
-        slotted = self._slots_pay and fixed_tokens
+        slotted = self._slots_pay and fixed_tokens and not self.freed_by_1f1b_schedule
         self._slots = Slots.for_layer(plan.max_tokens, *self._slot_shape) if slotted and plan.max_tokens else None
 
     def compute(self, x_recv, scores_recv):
