@@ -843,6 +843,21 @@ def _trace(path, iterations_us):
         json.dump({"traceEvents": ev}, f)
 
 
+def test_kernel_families_of_quack_and_dense_gemms():
+    from sonic_megatron.bench.e2e_profile import family
+
+    quack = (
+        "kernel_cutlass_kernel_quackgemm_default_epiGemmDefaultSm90_object_at__TiledMMA",
+        "kernel_cutlass_kernel_quackepiloguefrontendGemmMod_linear_act_epi_ee8d_g_none_sm9_object_at__TiledMMA",
+        "kernel_cutlass_kernel_quackepiloguefrontendGemmMod_dgated_epi_0f87_p_c_col_sm9_object_at__TiledMMA",
+    )
+    assert [family(n, "kernel") for n in quack] == ["expert_gemms_quack"] * 3
+    assert family("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", "kernel") == "dense_gemms"
+    grouped = "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13GemmUniversal"
+    grouped += "INS5_17GroupProblemShape"
+    assert family(grouped, "kernel") == "grouped_gemms_cutlass"
+
+
 def test_profile_summary_per_iteration(tmp_path):
     from sonic_megatron.bench import e2e_profile
 

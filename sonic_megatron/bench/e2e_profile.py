@@ -34,7 +34,8 @@ from collections.abc import Callable, Iterable
 
 # (family, test on the kernel name); the first match names a kernel's family, "other" when none does.
 FAMILIES: tuple[tuple[str, Callable[[str], bool]], ...] = (
-    ("expert_gemms_quack", lambda n: "quackgemm" in n),
+    # QuACK's GEMMs: "quackgemm_..." and, for those with an epilogue of its own (gated, dgated), "quackepilogue..."
+    ("expert_gemms_quack", lambda n: "kernel_quack" in n),
     ("grouped_gemms_cutlass", lambda n: "GroupProblemShape" in n),
     ("dense_gemms", lambda n: n.startswith("nvjet") or "gemm" in n.lower() or "xmma" in n),
     ("optimizer_multi_tensor", lambda n: "multi_tensor_apply" in n),
