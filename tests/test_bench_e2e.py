@@ -867,8 +867,11 @@ def test_profile_summary_per_iteration(tmp_path):
     os.makedirs(os.path.dirname(trace))
     _trace(trace, 1000)
     prof = e2e_profile.summarize_trace(trace, iterations=2)
-    # busy: 0-350 (two GEMMs overlapping), 400-500, 600-850, 860-880, 900-1000 = 820 us over 2 iterations
-    assert prof["busy_ms"] == pytest.approx(0.41) and prof["idle_ms"] == pytest.approx(0.09)
+    # the GPU's busy intervals in trace time (the first: two GEMMs overlapping), per iteration and in ms
+    busy = [(0, 350), (400, 500), (600, 850), (860, 880), (900, 1000)]
+    busy_ms = sum(b - a for a, b in busy) / 2 / 1000
+    assert busy_ms == pytest.approx(0.41)
+    assert prof["busy_ms"] == pytest.approx(busy_ms) and prof["idle_ms"] == pytest.approx(0.5 - busy_ms)
     fam = prof["families_ms"]
     assert fam["expert_gemms_quack"] == pytest.approx(0.15) and fam["dense_gemms"] == pytest.approx(0.05)
     assert fam["triton"] == pytest.approx(0.06) and fam["copies"] == pytest.approx(0.1)
