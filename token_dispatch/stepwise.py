@@ -221,20 +221,24 @@ class _CombineSlots(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y_UD, early):
-        s = early.started
-        P, C = s.world_size, s.slots.rows
-        ctx.early = early
+        s = ctx.view = early.combine_view
         back = torch.empty_like(y_UD)
-        all_to_all(back, y_UD.contiguous(), [C] * P, [C] * P, s.group)
-        return X.sum_rows_per_token(early.combine_view, back)
+        _slots_all_to_all(back, y_UD.contiguous(), s)
+        return X.sum_rows_per_token(s, back)
 
     @staticmethod
     def backward(ctx, grad_TD):
-        s = ctx.early.combine_view
+        s = ctx.view
         rows = X.gather_send_rows(s, grad_TD.contiguous())
         recv = torch.empty_like(rows)
-        all_to_all(recv, rows, [s.row_slots] * s.world_size, [s.row_slots] * s.world_size, s.group)
+        _slots_all_to_all(recv, rows, s)
         return recv, None
+
+
+def _slots_all_to_all(out: torch.Tensor, inp: torch.Tensor, s: SlotCombine) -> None:
+    """Rows in their slots, one slot per rank each way (equal splits)."""
+    splits = [s.row_slots] * s.world_size
+    all_to_all(out, inp, splits, splits, s.group)
 
 
 class _Combine(torch.autograd.Function):
