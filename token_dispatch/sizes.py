@@ -165,8 +165,8 @@ def check_slots_fit(counts_host: list[list[int]], rows: int, pairs: int) -> None
                     raise V.SlotsTooSmall(
                         f"expert-parallel dispatch: rank {src} sends {got} {what} to rank {dst}, more than the {cap} "
                         f"of the slots sent before the plan's sync (sized by the previous call of this layer: its "
-                        f"most tokens per rank and the top-K); every call of a layer with slots needs at most that "
-                        f"many tokens per rank"
+                        f"most tokens per rank, the top-K and any token rounding's tile); every call of a layer "
+                        f"with slots needs at most that many tokens per rank"
                     )
 
 
