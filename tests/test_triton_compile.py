@@ -47,6 +47,7 @@ KERNELS = {
     ("token_dispatch.triton_send_csr", "_count_csr_kernel"),
     ("token_dispatch.triton_send_csr", "_place_csr_kernel"),
     ("token_dispatch.triton_slots", "_slot_layout_kernel"),
+    ("token_dispatch.triton_slots", "_slotted_rows_keys_kernel"),
 }
 
 _TYPES = {
@@ -191,6 +192,8 @@ def _drive():
     kw = dict(rank=0, world_size=2, num_local_experts=4, num_chunks=1, pair_base=32, num_recv_rows=4)
     triton_recv.ep_recv_rows_keys(meta_QC, counts, **kw)
     triton_slots.slot_layout_triton(torch.arange(6), torch.tensor([2, 3]), 2, 3)  # the slots of a send side
+    slots_kw = dict(world_size=2, num_local_experts=4, row_slots=2, pair_slots=3)  # pairs received in slots
+    triton_slots.slotted_rows_keys_triton(meta_QC, torch.tensor([0, 1, 3, 6, 6, 6]), **slots_kw)
     assert isinstance(side, tuple) and isinstance(rounded, FlatRouting)
 
 

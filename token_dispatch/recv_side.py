@@ -196,10 +196,35 @@ def slotted_recv_metadata(
     pair slot of each entry, P * Cq for the placeholders). A peer's bad pair (a row or an expert out of range: the
     plan's header check raises for it after these kernels) is clamped into range, so nothing here reads or writes
     out of bounds."""
-    P, L, C, Cq, device = world_size, num_local_experts, row_slots, pair_slots, received_pairs.device
-    Q_max, U = P * Cq, P * C
+    P, Cq, device = world_size, pair_slots, received_pairs.device
+    Q_max = P * Cq
     arrived_P = counts_PW[:, pair_base + rank]  # pairs each source sent here
     slot_of = slot_layout(entry_index(Q_max, device), arrived_P.contiguous(), P, Cq).pos_R
+    kw = dict(world_size=P, num_local_experts=num_local_experts, row_slots=row_slots, pair_slots=Cq)
+    row_Q, key_Q, token_offsets = _slotted_rows_keys(received_pairs, slot_of, **kw)
+    meta = _metadata_builder(device)(row_Q, key_Q, token_offsets, num_local_experts + 1)
+    meta = replace(
+        meta, expert_offsets=meta.expert_offsets[: num_local_experts + 1], pairs_per_token_hint=pairs_per_row_hint
+    )
+    return meta, slot_of
+
+
+def slotted_rows_keys_torch(
+    received_pairs: torch.Tensor,
+    slot_of: torch.Tensor,
+    *,
+    world_size: int,
+    num_local_experts: int,
+    row_slots: int,
+    pair_slots: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The metadata kernels' inputs of ``slotted_recv_metadata`` with PyTorch ops, the reference of (and the CPU path
+    for) the one-launch Triton kernel of ``triton_slots.py``: (row_Q [Q_max] int32, the receive-buffer row of each
+    entry, clamped into the buffer; key_Q [Q_max] int32, its local expert, L for placeholders and a bad peer's
+    experts past L; token_offsets [U + 1] int32, the real pairs of the rows before each row). ``slot_of`` [Q_max]:
+    the pair slot of each entry, Q_max for placeholders."""
+    P, L, C, Cq, device = world_size, num_local_experts, row_slots, pair_slots, received_pairs.device
+    Q_max, U = P * Cq, P * C
     real = slot_of < Q_max
     source = torch.div(slot_of, Cq, rounding_mode="floor").clamp(max=P - 1)
     meta_QC = received_pairs.index_select(0, slot_of.clamp(max=Q_max - 1))
@@ -210,9 +235,20 @@ def slotted_recv_metadata(
     per_row = torch.zeros(U + 2, dtype=torch.int64, device=device)
     per_row.index_add_(0, row_Q + 1, torch.ones_like(row_Q))
     token_offsets = torch.cumsum(per_row[: U + 1], 0)
-    meta = _metadata_builder(device)(row_Q.clamp(max=max(U - 1, 0)).int(), key_Q.int(), token_offsets.int(), L + 1)
-    meta = replace(meta, expert_offsets=meta.expert_offsets[: L + 1], pairs_per_token_hint=pairs_per_row_hint)
-    return meta, slot_of
+    return row_Q.clamp(max=max(U - 1, 0)).int(), key_Q.int(), token_offsets.int()
+
+
+def _slotted_rows_keys(received_pairs: torch.Tensor, slot_of: torch.Tensor, **kw):
+    """One Triton launch (and a scan) on CUDA (before the plan's sync, where host time paces the GPU), PyTorch's
+    ops elsewhere; the same results."""
+    if received_pairs.is_cuda:
+        try:
+            from .triton_slots import slotted_rows_keys_triton
+        except ImportError:  # no Triton: PyTorch's ops (same results)
+            pass
+        else:
+            return slotted_rows_keys_triton(received_pairs, slot_of, **kw)
+    return slotted_rows_keys_torch(received_pairs, slot_of, **kw)
 
 
 def first_entries(meta: RoutingMetadata, n: int) -> RoutingMetadata:
