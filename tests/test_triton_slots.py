@@ -27,6 +27,7 @@ CASES = {
     "nothing_sent": dict(rows=[0, 0], C=3, extra=4),
     "several_programs": dict(rows=[700, 1300, 5, 900], C=1400, extra=1500),
     "one_rank_strided_count": dict(rows=[5], C=8, extra=3, count_stride=7),
+    "strided_counts": dict(rows=[3, 5, 1], C=6, extra=2, count_stride=4),
 }
 
 

@@ -199,7 +199,7 @@ def slotted_recv_metadata(
     P, Cq, device = world_size, pair_slots, received_pairs.device
     Q_max = P * Cq
     arrived_P = counts_PW[:, pair_base + rank]  # pairs each source sent here
-    slot_of = slot_layout(entry_index(Q_max, device), arrived_P.contiguous(), P, Cq).pos_R
+    slot_of = slot_layout(entry_index(Q_max, device), arrived_P, P, Cq).pos_R
     kw = dict(world_size=P, num_local_experts=num_local_experts, row_slots=row_slots, pair_slots=Cq)
     row_Q, key_Q, token_offsets = _slotted_rows_keys(received_pairs, slot_of, **kw)
     meta = _metadata_builder(device)(row_Q, key_Q, token_offsets, num_local_experts + 1)

@@ -94,7 +94,7 @@ def slot_layout(send_token_idx_R: torch.Tensor, rows_P: torch.Tensor, world_size
         except ImportError:  # no Triton: PyTorch's ops (same results)
             pass
         else:
-            return SlotLayout(*slot_layout_triton(send_token_idx_R, rows_P.contiguous(), world_size, slots))
+            return SlotLayout(*slot_layout_triton(send_token_idx_R, rows_P, world_size, slots))
     return SlotLayout(*slot_layout_torch(send_token_idx_R, rows_P, world_size, slots))
 
 

@@ -24,7 +24,7 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _slot_layout_kernel(tok_ptr, rows_ptr, R, P, C, pos_ptr, slot_tok_ptr, BLOCK: tl.constexpr):
+def _slot_layout_kernel(tok_ptr, rows_ptr, rows_stride, R, P, C, pos_ptr, slot_tok_ptr, BLOCK: tl.constexpr):
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     slot_of_e = e // C  # e as a slot row: its destination ...
     row_in_slot = e - slot_of_e * C  # ... and its row there
@@ -33,7 +33,7 @@ def _slot_layout_kernel(tok_ptr, rows_ptr, R, P, C, pos_ptr, slot_tok_ptr, BLOCK
     count = tl.zeros([BLOCK], dtype=tl.int64)  # send rows of e's slot
     start = tl.zeros([1], dtype=tl.int64)
     for p in range(0, P):
-        n = tl.load(rows_ptr + p)
+        n = tl.load(rows_ptr + p * rows_stride)
         here = (e >= start) & (e < start + n) & (e - start < C)
         pos = tl.where(here, p * C + e - start, pos)
         first = tl.where(slot_of_e == p, start, first)
@@ -47,19 +47,19 @@ def _slot_layout_kernel(tok_ptr, rows_ptr, R, P, C, pos_ptr, slot_tok_ptr, BLOCK
 
 def slot_layout_triton(send_token_idx_R: torch.Tensor, rows_P: torch.Tensor, world_size: int, slots: int):
     """(pos_R, token_idx) of ``slots.slot_layout_torch`` in one launch (``send_token_idx_R`` int64 [R], ``rows_P``
-    int64 [P] with unit stride, or one count; both on the device)."""
-    unit = rows_P.numel() < 2 or rows_P.stride(0) == 1  # one count: any stride (a column of one rank's counts)
-    if send_token_idx_R.dtype != torch.int64 or rows_P.dtype != torch.int64 or not unit:
+    int64 [P] of any stride, e.g. a column of the counts matrix; both on the device)."""
+    if send_token_idx_R.dtype != torch.int64 or rows_P.dtype != torch.int64:
         raise ValueError(
-            f"slot_layout_triton: send_token_idx_R and rows_P must be int64 (rows_P with unit stride), got "
-            f"{send_token_idx_R.dtype} and {rows_P.dtype} stride {rows_P.stride()}"
+            f"slot_layout_triton: send_token_idx_R and rows_P must be int64, got {send_token_idx_R.dtype} and "
+            f"{rows_P.dtype}"
         )
     P, C, R = world_size, slots, send_token_idx_R.numel()
     device = send_token_idx_R.device
     pos_R = torch.empty(R, dtype=torch.int64, device=device)
     token_idx = torch.empty(P * C, dtype=torch.int64, device=device)
     grid = (max(1, triton.cdiv(max(R, P * C), _BLOCK)),)
-    _slot_layout_kernel[grid](send_token_idx_R, rows_P, R, P, C, pos_R, token_idx, BLOCK=_BLOCK)
+    stride = rows_P.stride(0) if rows_P.numel() > 1 else 1
+    _slot_layout_kernel[grid](send_token_idx_R, rows_P, stride, R, P, C, pos_R, token_idx, BLOCK=_BLOCK)
     return pos_R, token_idx
 
 
