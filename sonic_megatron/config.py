@@ -96,6 +96,14 @@ class SonicConfig:
             micro-batches, over both micro-batches' rows, instead of once per micro-batch: one read and write of
             the fp32 ``main_grad`` per pair. Holds one micro-batch's dO, X, A' and dH per layer until the next
             micro-batch's backward (``sonic_megatron/wgrad.py``). Off: every backward computes its own.
+        ep_slots: with expert parallelism (the sonic dispatcher), a training call after a layer's first sends its
+            tokens and pairs in slots sized by the previous call, so that its forward has no host sync, where slots
+            pay for the routing's shape (``token_dispatch/slots.py``: top-K routing over few ranks) and neither
+            Megatron's 1F1B EP overlap nor ``variable_seq_lengths`` is on. The price is activation memory: H, kept
+            for backward, is sized by the bound of the pairs (P * min(K, L) per token of the largest micro-batch
+            instead of about K: about P times its size) in every layer from its forward to its backward. False:
+            every call plans with exact split sizes (a host sync per layer call in the forward) and keeps H at the
+            size of the pairs received.
     """
 
     backend: str = "auto"
@@ -106,6 +114,7 @@ class SonicConfig:
     redispatch_x_in_backward: bool = False
     comm_sms: int = 0
     pair_weight_grads: bool = True
+    ep_slots: bool = True
 
     def __post_init__(self) -> None:
         from .kernels import BACKENDS
@@ -120,6 +129,7 @@ class SonicConfig:
         _check_int("comm_sms", self.comm_sms, minimum=0)
         _check_bool("redispatch_x_in_backward", self.redispatch_x_in_backward)
         _check_bool("pair_weight_grads", self.pair_weight_grads)
+        _check_bool("ep_slots", self.ep_slots)
         if self.dispatcher == "megatron" and self.token_rounding != "none":
             raise ValueError(
                 f"SonicConfig.token_rounding={self.token_rounding!r} needs dispatcher='sonic' (got "

@@ -139,7 +139,8 @@ class ExpertParallelMode(DispatchMode):
     the host's lead with it, and the rest of the forward would be paced by the host. Token-rounded calls use slots
     that fit the rounding's added pairs. Calls without gradients, and every call under Megatron's 1F1B EP overlap
     (where another micro-batch's backward keeps the GPU busy while the host waits for the sizes, and the bound's
-    larger GEMMs and slots cost more than the sync), use exact split sizes."""
+    larger GEMMs and slots cost more than the sync), or with ``SonicConfig.ep_slots`` off (H at the bound of the
+    pairs costs activation memory), use exact split sizes."""
 
     _started: StartedPlan | None = None  # between preprocess and dispatch
     _early: EarlyDispatch | None = None  # between dispatch and compute, with slots
@@ -150,7 +151,7 @@ class ExpertParallelMode(DispatchMode):
     def __init__(self, experts, options, config, group, num_experts):
         super().__init__(experts, options, config, group, num_experts)
         P = torch.distributed.get_world_size(group)
-        self._slots_pay = slots_pay(num_experts, config.moe_router_topk, P)
+        self._slots_pay = options.sonic.ep_slots and slots_pay(num_experts, config.moe_router_topk, P)
         tile = options.rounding.tile if options.rounding is not None else 0
         self._slot_shape = (num_experts // P, config.moe_router_topk, tile)  # L, K, rounding tile
         # what the plan reads of token_dispatch's options, with and without this layer's rounding

@@ -1,12 +1,13 @@
-"""The Megatron layer's sync-free forward at EP = 2 (CPU, gloo, float64): from a layer's second training call on,
-rows and pairs travel in slots sized by the previous call's plan and the plan's host sync waits in the experts'
-backward. Top-K and token-rounded routing, each against the same layer with exact split sizes: outputs and every
-gradient equal, call after call; more tokens than the slots hold raise on every rank with Megatron's way out, and
-the next call plans exactly. (Under Megatron's 1F1B EP overlap the layer plans every call exactly:
-test_megatron_overlap_nodes.py.)"""
+"""The Megatron layer's sync-free forward at EP = 2 (CPU, gloo, float64): from a layer's second training call on, rows
+and pairs travel in slots sized by the previous call's plan and the plan's host sync waits in the experts' backward.
+Top-K and token-rounded routing, each against the same layer with exact split sizes (``SonicConfig.ep_slots=False``,
+which never uses slots): outputs and every gradient equal, call after call; more tokens than the slots hold raise on
+every rank with Megatron's way out, and the next call plans exactly. (Under Megatron's 1F1B EP overlap the layer
+plans every call exactly: test_megatron_overlap_nodes.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -16,6 +17,8 @@ from sonic_megatron.token_dispatch.validation import SlotsTooSmall
 
 from sonic_megatron.compare import Case
 from sonic_megatron.config import SonicConfig
+
+CPU = torch.device("cpu")
 
 # top-4 (top-3) of 8 experts at EP 2 fills slots. "rank0": every token's top-3 among rank 0's 4 experts, so that
 # every source slot to rank 0 is full before rounding and the rounding's added pairs need the slots' room for them
@@ -52,10 +55,9 @@ def _worker(rank, world, out_dir):
     report = {}
     for name, (case, rank0) in CASES.items():
         torch.manual_seed(1000)
-        _, exact = build_pair(case, torch.device("cpu"))
+        _, exact = build_pair(dataclasses.replace(case, sonic=dataclasses.replace(case.sonic, ep_slots=False)), CPU)
         torch.manual_seed(1000)
-        _, lay = build_pair(case, torch.device("cpu"))
-        exact.mode._slots_pay = False
+        _, lay = build_pair(case, CPU)
         if rank0:  # a large router weight on input feature 0 (set to 1 below) for rank 0's experts
             with torch.no_grad():
                 for layer in (lay, exact):
@@ -72,7 +74,7 @@ def _worker(rank, world, out_dir):
             out, dx = _forward_backward(lay, x, g)
             slotted.append(lay.mode.plan is None and lay.mode._unfinished is not None)
             out_ref, dx_ref = _forward_backward(exact, x, g)
-            assert exact.mode.plan is not None
+            assert exact.mode.plan is not None and exact.mode._slots is None  # ep_slots=False: never in slots
             for k, a, b in zip(
                 ("out", "dx", "router", "w1", "w2"),
                 (out, dx, *_grads(lay)),

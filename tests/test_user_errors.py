@@ -38,6 +38,7 @@ def _no_sonic_env(monkeypatch):
     [
         ("redispatch_x_in_backward", "no", "a bool (True or False)"),
         ("pair_weight_grads", 1, "a bool (True or False)"),
+        ("ep_slots", "no", "a bool (True or False)"),
         ("rounding_tile", True, "an int >= 1"),
         ("num_chunks", 2.0, "an int in [1, 16]"),
         ("comm_sms", "8", "an int >= 0"),
@@ -61,15 +62,15 @@ def test_wrong_field_value_names_field_and_value(field, value):
 
 def test_valid_fields_are_kept():
     cfg = SonicConfig(
-        redispatch_x_in_backward=True, pair_weight_grads=False, rounding_tile=64, num_chunks=2, comm_sms=8
+        redispatch_x_in_backward=True,
+        pair_weight_grads=False,
+        rounding_tile=64,
+        num_chunks=2,
+        comm_sms=8,
+        ep_slots=False,
     )
-    assert (cfg.redispatch_x_in_backward, cfg.pair_weight_grads, cfg.rounding_tile, cfg.num_chunks, cfg.comm_sms) == (
-        True,
-        False,
-        64,
-        2,
-        8,
-    )
+    kept = (cfg.redispatch_x_in_backward, cfg.pair_weight_grads, cfg.rounding_tile, cfg.num_chunks, cfg.comm_sms)
+    assert (*kept, cfg.ep_slots) == (True, False, 64, 2, 8, False)
 
 
 # ----------------------------------------------------------------------------------------------------------
