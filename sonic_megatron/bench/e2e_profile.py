@@ -123,14 +123,14 @@ def _is_context(e: dict) -> bool:
     return e.get("cat") == "cpu_op" and not e["name"].startswith("aten::")
 
 
-def _launchers(events: list[dict]) -> dict:
+def _launchers(events: list[dict], calls: dict) -> dict:
     """correlation id -> "op [context]": the innermost host op around the CUDA runtime call that launched that GPU
-    event, and the innermost context (``_is_context``) around it."""
+    event (``calls``: ``_launch_calls(events)``), and the innermost context (``_is_context``) around it."""
     host = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
     ops = _HostOps([e for e in host if e["cat"] == "cpu_op"])
     contexts = _HostOps([e for e in host if _is_context(e)])
     out = {}
-    for corr, e in _launch_calls(events).items():
+    for corr, e in calls.items():
         op = ops.around(e.get("tid"), e["ts"]) or e["name"]
         context = contexts.around(e.get("tid"), e["ts"])
         out[corr] = f"{op} [{context}]" if context and context != op else op
@@ -288,13 +288,14 @@ def _launch_calls(events: list[dict]) -> dict:
     }
 
 
-def _launch_threads(events: list[dict]) -> dict:
-    """correlation id -> "backward" where the CUDA call that launched that GPU event ran on a thread of autograd's
-    engine (one that runs ``BACKWARD_NODE`` ops), else "main" (the forward, the optimizer, the schedule)."""
+def _launch_threads(events: list[dict], calls: dict) -> dict:
+    """correlation id -> "backward" where the CUDA call that launched that GPU event (``calls``:
+    ``_launch_calls(events)``) ran on a thread of autograd's engine (one that runs ``BACKWARD_NODE`` ops), else
+    "main" (the forward, the optimizer, the schedule)."""
     backward = {
         e.get("tid") for e in events if e.get("cat") == "cpu_op" and str(e.get("name", "")).startswith(BACKWARD_NODE)
     }
-    return {c: "backward" if e.get("tid") in backward else "main" for c, e in _launch_calls(events).items()}
+    return {c: "backward" if e.get("tid") in backward else "main" for c, e in calls.items()}
 
 
 def _launch_times(events: list[dict]) -> dict:
@@ -371,7 +372,8 @@ def summarize_trace(path: str, iterations: int) -> dict:
     )
     if not gpu:
         raise ValueError(f"{path}: no GPU events (was the run on CUDA, and did the profiler window close?)")
-    launchers, threads = _launchers(events), _launch_threads(events)
+    calls = _launch_calls(events)  # the CUDA calls that launched GPU work, by correlation id
+    launchers, threads = _launchers(events, calls), _launch_threads(events, calls)
     start, end = gpu[0]["ts"], max(e["ts"] + e["dur"] for e in gpu)
     busy, covered = 0.0, start
     families: dict[str, float] = collections.defaultdict(float)
